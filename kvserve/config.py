@@ -1,0 +1,226 @@
+"""Frozen configuration dataclasses, validated in ``__post_init__``.
+
+``ModelConfig`` is the architecture of a checkpoint read from a Hugging Face
+``config.json`` dict (never from the model's name); the others hold the
+engine's knobs. No I/O happens here: reading files is the loader's job.
+Nothing in this module imports torch, so ``core/`` and ``plan/`` may use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+def _require(hf_config: dict[str, Any], key: str, source: str) -> Any:
+    if key not in hf_config or hf_config[key] is None:
+        raise ValueError(f"{source}: field '{key}' is missing; it is needed to build the model")
+    return hf_config[key]
+
+
+def _rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Normalise rope settings: transformers 5 writes ``rope_parameters``,
+    older checkpoints ``rope_theta`` plus an optional ``rope_scaling``."""
+    params = dict(hf_config.get("rope_parameters") or {})
+    scaling = hf_config.get("rope_scaling")
+    if scaling:
+        params = {**dict(scaling), **params}
+    if "rope_theta" not in params:
+        params["rope_theta"] = float(hf_config.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = rope_type
+    return params
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of one decoder-only checkpoint."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_theta": 10000.0})
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    # one entry per layer: None for full attention, else the window in tokens
+    sliding_windows: tuple[int | None, ...] = ()
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"config.json: architecture '{self.architecture}' is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"config.json: {name}={getattr(self, name)} must be >= 1")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"config.json: num_attention_heads={self.num_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if len(self.sliding_windows) != self.num_layers:
+            raise ValueError("sliding_windows must have one entry per layer")
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters["rope_theta"])
+
+    @property
+    def max_sliding_window(self) -> int | None:
+        """The window if every layer slides, else None (some layer sees all)."""
+        if any(w is None for w in self.sliding_windows):
+            return None
+        return max(w for w in self.sliding_windows if w is not None)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Build from a ``config.json`` dict; ``source`` names it in errors."""
+        architectures = hf_config.get("architectures") or []
+        if not architectures:
+            raise ValueError(f"{source}: field 'architectures' is missing or empty")
+        architecture = architectures[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"{source}: architecture '{architecture}' is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(_require(hf_config, "num_attention_heads", source))
+        hidden_size = int(_require(hf_config, "hidden_size", source))
+        num_layers = int(_require(hf_config, "num_hidden_layers", source))
+        num_kv_heads = int(hf_config.get("num_key_value_heads") or num_heads)
+        head_dim = int(hf_config.get("head_dim") or hidden_size // num_heads)
+        model_type = hf_config.get("model_type", "")
+        eos = hf_config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=architecture,
+            vocab_size=int(_require(hf_config, "vocab_size", source)),
+            hidden_size=hidden_size,
+            intermediate_size=int(_require(hf_config, "intermediate_size", source)),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(hf_config.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+            rope_parameters=_rope_parameters(hf_config),
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            qkv_bias=(model_type == "qwen2" or architecture == "Qwen2ForCausalLM"
+                      or bool(hf_config.get("attention_bias", False))),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_windows=_sliding_windows(hf_config, architecture, num_layers),
+            dtype=str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"),
+            bos_token_id=hf_config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            num_experts=int(
+                hf_config.get("num_local_experts") or hf_config.get("num_experts") or 0
+            ),
+            hf_config=dict(hf_config),
+        )
+
+
+def _sliding_windows(
+    hf_config: dict[str, Any], architecture: str, num_layers: int
+) -> tuple[int | None, ...]:
+    window = hf_config.get("sliding_window")
+    if architecture == "MistralForCausalLM":
+        return tuple([int(window) if window else None] * num_layers)
+    if architecture == "LlamaForCausalLM" or not window:
+        return tuple([None] * num_layers)
+    layer_types = hf_config.get("layer_types")
+    if layer_types:
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    if not hf_config.get("use_sliding_window", False):
+        return tuple([None] * num_layers)
+    max_window_layers = int(hf_config.get("max_window_layers", num_layers))
+    return tuple(int(window) if i >= max_window_layers else None for i in range(num_layers))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache settings."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    # share of free device memory the KV pool may take when num_kv_blocks is unset
+    gpu_memory_utilization: float = 0.9
+    # KV budget on CPU when num_kv_blocks is unset
+    cpu_kv_cache_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching budgets."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # "fcfs" or "priority"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1"
+            )
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_model_len={self.max_model_len} when chunked prefill is off"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy='{self.policy}' must be 'fcfs' or 'priority'")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, resolved and validated."""
+
+    model: str
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    model_path: str | None
+    tokenizer_path: str | None
+    load_format: str
+    dtype: str
+    device: str
+    seed: int
+    attention_backend: str

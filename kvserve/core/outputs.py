@@ -1,0 +1,91 @@
+"""The seam between the CPU world and the GPU world: what the scheduler tells
+the model runner each step, and what comes back. Plain ints and lists only,
+never tensors, so the two sides can live in different processes later.
+
+A request is sent whole the first time it is scheduled (and again when it
+resumes after preemption); after that only the diff: new block ids and how
+many tokens to run. The runner keeps the rest in its persistent state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.core.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resuming after preemption."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # prompt + output so far (a resumed request recomputes all of it)
+    all_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    resumed: bool = False
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan."""
+
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # request_id -> tokens to run this step
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # requests that ended since the last step: the runner drops their state
+    finished_request_ids: set[str] = field(default_factory=set)
+    # requests preempted this step: the runner keeps their state (generator
+    # included) but forgets their blocks until they resume
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class Logprobs:
+    """Logprobs of one generated token: the sampled one first, then the top ones."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced, per scheduled request."""
+
+    # request_id -> tokens sampled this step (empty for a partial prefill chunk)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What the engine core reports about one request after a step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

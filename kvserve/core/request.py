@@ -1,0 +1,125 @@
+"""One request's state inside the engine core: its tokens and their accounting.
+
+The token accounting words used across kvserve are defined here, once:
+
+- ``num_prompt_tokens``: tokens of the prompt.
+- ``num_output_tokens``: tokens generated so far.
+- ``num_tokens``: prompt + output.
+- ``num_computed_tokens``: tokens whose KV is in the cache (or is being
+  written by the step just scheduled).
+- ``num_cached_tokens``: tokens found in the prefix cache when the request
+  was first scheduled.
+- ``num_scheduled_tokens``: tokens the scheduler assigns in one step.
+
+Pure Python: no torch here.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvserve.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI name of a finished status: "stop", "length" or "abort"."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock marks of one request (seconds, ``time.monotonic``)."""
+
+    arrival_s: float
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finished_s: float | None = None
+
+    @property
+    def queue_s(self) -> float | None:
+        if self.first_scheduled_s is None:
+            return None
+        return self.first_scheduled_s - self.arrival_s
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_s is None:
+            return None
+        return self.first_token_s - self.arrival_s
+
+
+@dataclass
+class Request:
+    """A request as the scheduler and KV manager see it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    # extra key mixed into every block hash (a LoRA id, a cache salt)
+    cache_key: int = 0
+    arrival_s: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # -1 until first scheduled
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[bytes] = []
+        self.times = RequestTimes(arrival_s=self.arrival_s)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def max_tokens(self) -> int:
+        assert self.sampling_params.max_tokens is not None, "max_tokens is set by the engine"
+        return self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)

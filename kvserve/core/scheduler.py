@@ -1,0 +1,271 @@
+"""Iteration-level scheduler: one token-budget rule for prefill, chunked
+prefill, decode, prefix hits and preemption.
+
+Each step every request is handed ``num_new_tokens`` so that
+``num_computed_tokens`` catches up with ``num_tokens``, under a token budget
+(``max_num_batched_tokens``) and a sequence budget (``max_num_seqs``).
+Running requests (decodes, unfinished prefill chunks) are served first, then
+waiting requests fill what is left. When the pool runs dry, the most recently
+admitted request (or the least important one under the priority policy) is
+preempted: its blocks are freed and it restarts from its prefix later.
+Pure Python: no torch here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Any
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.core.block_pool import KVBlock
+from kvserve.core.kv_manager import KVCacheManager
+from kvserve.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.stop import check_stop
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each gets."""
+
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int
+    ) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv_manager = KVCacheManager(
+            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()
+        # requests whose full data the runner must get at their next scheduling
+        self._send_whole: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- admission
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise ValueError if it could never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id='{request.request_id}' is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("prompt: must contain at least 1 token")
+        total = request.num_prompt_tokens + request.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.max_tokens}) = {total} exceeds max_model_len="
+                f"{self.config.max_model_len}"
+            )
+        usable = self.kv_manager.pool.num_usable_blocks
+        if self.kv_manager.num_blocks_needed(total) > usable:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens needs "
+                f"{self.kv_manager.num_blocks_needed(total)} KV blocks; the pool has {usable}"
+            )
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+        self._send_whole.add(request.request_id)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, request, key=_priority_key)
+        elif front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string): free their blocks."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            finished.append(request)
+        return finished
+
+    def _free(self, request: Request) -> None:
+        request.times.finished_s = time.monotonic()
+        self.kv_manager.free(request)
+        del self.requests[request.request_id]
+        self._send_whole.discard(request.request_id)
+        self._finished_ids.add(request.request_id)
+
+    # ---------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step under the token and sequence budgets."""
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_request_ids:
+            self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self.kv_manager.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < index:
+                    index -= 1  # an already scheduled request gave way
+                budget += self._preempt(victim, out)
+                if victim is request:
+                    break
+                new_blocks = self.kv_manager.allocate_slots(request, num_new)
+            if new_blocks is None:  # the request preempted itself
+                continue
+            self._record(request, num_new, [b.block_id for b in new_blocks], out)
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed: list[KVBlock] = []
+            num_hit = 0
+            if request.num_computed_tokens == 0:
+                computed, num_hit = self.kv_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv_manager.allocate_slots(request, num_new, computed) is None:
+                break
+            self.waiting.pop(0)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+                request.times.first_scheduled_s = time.monotonic()
+            self._record(request, num_new, [], out)
+            budget -= num_new
+
+    def _record(
+        self, request: Request, num_new: int, new_block_ids: list[int], out: SchedulerOutput
+    ) -> None:
+        request_id = request.request_id
+        if request_id in self._send_whole:
+            self._send_whole.discard(request_id)
+            out.new_requests.append(
+                NewRequestData(
+                    request_id=request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    all_token_ids=list(request.all_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_manager.get_block_ids(request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                    resumed=request.num_preemptions > 0,
+                )
+            )
+        else:
+            out.cached_requests.append(
+                CachedRequestData(request_id, new_block_ids, request.num_computed_tokens)
+            )
+        out.num_scheduled_tokens[request_id] = num_new
+        request.num_computed_tokens += num_new
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=_priority_key)
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Free the victim's blocks and requeue it; returns budget given back."""
+        self.running.remove(victim)
+        given_back = out.num_scheduled_tokens.pop(victim.request_id, 0)
+        out.new_requests = [r for r in out.new_requests if r.request_id != victim.request_id]
+        out.cached_requests = [
+            r for r in out.cached_requests if r.request_id != victim.request_id
+        ]
+        self.kv_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self._send_whole.add(victim.request_id)
+        out.preempted_request_ids.add(victim.request_id)
+        self._enqueue(victim, front=True)
+        return given_back
+
+    # ---------------------------------------------------------------- results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop rules, free finished requests."""
+        outputs = []
+        now = time.monotonic()
+        for request_id, token_ids in runner_output.sampled_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is None or not token_ids:
+                continue
+            new_tokens = []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                new_tokens.append(token_id)
+                if check_stop(request, self.config.max_model_len):
+                    break
+            if request.times.first_token_s is None:
+                request.times.first_token_s = now
+            request.times.last_token_s = now
+            output = EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=new_tokens,
+                new_logprobs=runner_output.logprobs.get(request_id),
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            if request.is_finished:
+                output.finish_reason = request.status.finish_reason
+                output.stop_reason = request.stop_reason
+                self.running.remove(request)
+                self._free(request)
+            outputs.append(output)
+        return outputs
+
+    # ---------------------------------------------------------------- stats
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.kv_manager.pool
+        return {
+            "kv_blocks_total": pool.num_usable_blocks,
+            "kv_blocks_free": pool.num_free_blocks,
+            "kv_blocks_cached": pool.num_cached_blocks,
+            "kv_cache_usage": pool.usage(),
+            "prefix_cache_queries": self.kv_manager.prefix_cache_queries,
+            "prefix_cache_hits": self.kv_manager.prefix_cache_hits,
+            "num_preemptions": self.num_preemptions,
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+        }
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    """Lower priority value runs first; ties go to the earlier arrival."""
+    return (request.priority, request.arrival_s)

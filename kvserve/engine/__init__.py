@@ -1,0 +1,1 @@
+"""The engine front: LLM / AsyncEngine, tokenizer, detokenizer, output streams."""

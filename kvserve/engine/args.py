@@ -1,0 +1,139 @@
+"""Engine arguments: the user-facing knobs (as keyword arguments of ``LLM``
+or flags of the CLI) and their resolution into one frozen ``EngineConfig``.
+
+Resolving reads the model's ``config.json`` (or a preset) to learn the
+architecture and the context length; weights are loaded later, by the
+worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.assets import default_model_path
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.models.loader import resolve_model_config
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+LOAD_FORMATS = ("auto", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def has_tokenizer(path: Path) -> bool:
+    """Whether a model directory carries its own tokenizer. Without one the
+    engine falls back to the byte tokenizer (token-id prompts work as usual)."""
+    return any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine knobs, with vLLM's names."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+
+    def create_engine_config(self) -> EngineConfig:
+        model = self.model or str(default_model_path())
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format='{self.load_format}' is invalid: must be one of {LOAD_FORMATS}"
+            )
+        if self.device not in DEVICES:
+            raise ValueError(f"device='{self.device}' is invalid: must be one of {DEVICES}")
+        model_config, path = resolve_model_config(model)
+        if path is None and self.load_format != "dummy":
+            raise ValueError(
+                f"model='{model}' is a preset with no weights: pass load_format='dummy' "
+                "(--load-format dummy) to run it with random weights"
+            )
+        max_model_len = self.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{model_config.max_position_embeddings}"
+            )
+        max_batched = self.max_num_batched_tokens or (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if self.enable_chunked_prefill
+            else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+        )
+        tokenizer = self.tokenizer or (str(path) if path is not None and has_tokenizer(path)
+                                       else None)
+        return EngineConfig(
+            model=model,
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                num_kv_blocks=self.num_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
+            ),
+            model_path=str(path) if path is not None else None,
+            tokenizer_path=str(Path(tokenizer)) if tokenizer else None,
+            load_format=self.load_format,
+            dtype=self.dtype,
+            device=self.device,
+            seed=self.seed,
+            attention_backend=(
+                "torch" if self.attention_backend == "auto" else self.attention_backend
+            ),
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one ``--flag`` per field (underscores become dashes)."""
+        defaults = EngineArgs()
+        group = parser.add_argument_group("engine")
+        group.add_argument("--model", default=None,
+                           help="local Hugging Face directory or preset name "
+                                "(default: the bundled model)")
+        group.add_argument("--tokenizer", default=None)
+        group.add_argument("--dtype", default=defaults.dtype,
+                           help="auto | float32 | float16 | bfloat16")
+        group.add_argument("--load-format", default=defaults.load_format, choices=LOAD_FORMATS)
+        group.add_argument("--seed", type=int, default=defaults.seed)
+        group.add_argument("--device", default=defaults.device, choices=DEVICES)
+        group.add_argument("--attention-backend", default=defaults.attention_backend)
+        group.add_argument("--block-size", type=int, default=defaults.block_size)
+        group.add_argument("--num-kv-blocks", type=int, default=None)
+        group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                           action="store_false")
+        group.add_argument("--gpu-memory-utilization", type=float,
+                           default=defaults.gpu_memory_utilization)
+        group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+        group.add_argument("--max-num-batched-tokens", type=int, default=None)
+        group.add_argument("--max-model-len", type=int, default=None)
+        group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                           action="store_false")
+        group.add_argument("--scheduling-policy", default=defaults.scheduling_policy,
+                           choices=("fcfs", "priority"))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})

@@ -1,0 +1,184 @@
+"""``EngineClient``: how asynchronous callers (the HTTP server, a chat loop)
+drive the engine. ``ThreadedEngineClient`` runs the ``LLMEngine`` loop in a
+background thread and streams each request's outputs into an asyncio queue;
+an engine in its own process will implement the same interface.
+
+Validation happens in the caller, before anything is queued, so a bad
+request fails at once with a ValueError and never reaches the loop. A step
+that raises kills the loop: every in-flight request gets an
+``EngineDeadError`` and ``health()`` reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.engine.llm_engine import LLMEngine, Prompt
+from kvserve.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped after an error; no request can proceed."""
+
+
+@dataclass
+class EngineHealth:
+    alive: bool
+    # seconds since the loop last made progress (a step, or an idle turn)
+    since_progress_s: float
+    num_steps: int
+    error: str | None = None
+
+
+class EngineClient(Protocol):
+    """The engine as an asynchronous service."""
+
+    def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def health(self) -> EngineHealth: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def shutdown(self) -> None: ...
+
+
+_Sink = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+
+
+class ThreadedEngineClient:
+    """Runs ``LLMEngine`` in a daemon thread; safe to call from one event loop."""
+
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._last_progress_s = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ caller side
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until it finishes; aborts it if the
+        consumer stops early (client disconnect, cancellation)."""
+        self._raise_if_dead()
+        request_id = request_id or uuid.uuid4().hex
+        _, token_ids = self.engine.tokenize_prompt(prompt)
+        self.engine.resolve_params(len(token_ids), params)
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._sinks[request_id] = (loop, sink)
+        self._commands.put(("add", (prompt, params, request_id, priority)))
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._sinks.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(
+            alive=self._thread.is_alive() and self._error is None,
+            since_progress_s=time.monotonic() - self._last_progress_s,
+            num_steps=self.engine.core.num_steps,
+            error=repr(self._error) if self._error is not None else None,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout_s)
+
+    def _raise_if_dead(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self._error!r}")
+
+    # ------------------------------------------------------------ engine thread
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        self._deliver(output.request_id, output)
+                self._last_progress_s = time.monotonic()
+        except BaseException as exc:
+            logger.exception("engine loop died")
+            self._error = exc
+            dead = EngineDeadError(f"the engine loop stopped: {exc!r}")
+            for request_id in list(self._sinks):
+                self._deliver(request_id, dead)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = (self._commands.get(timeout=self.idle_wait_s) if block
+                       else self._commands.get_nowait())
+        except queue.Empty:
+            return
+        while True:
+            self._run_command(*command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run_command(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            prompt, params, request_id, priority = payload
+            if request_id not in self._sinks:
+                return  # the caller left before the request was queued
+            try:
+                self.engine.add_request(prompt, params, request_id, priority)
+            except ValueError as exc:
+                self._deliver(request_id, exc)
+        elif kind == "abort":
+            output = self.engine.abort_request(payload)
+            if output is not None:
+                self._deliver(payload, output)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is None:
+            return
+        loop, target = sink
+        try:
+            loop.call_soon_threadsafe(target.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed
+            self._sinks.pop(request_id, None)

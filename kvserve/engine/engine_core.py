@@ -1,0 +1,74 @@
+"""The engine core: the scheduler plus an executor, stepped in a loop.
+
+It works in token ids only (no text) and is what a separate engine process
+will run later. The executor is anything with ``execute_model`` (the
+in-process ``ModelRunner`` today).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from kvserve.config import EngineConfig
+from kvserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler
+
+
+class Executor(Protocol):
+    """Runs the model for one scheduler step."""
+
+    num_kv_blocks: int
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """Load the model on the configured device (the only place the engine
+    reaches into the worker layer; imported lazily)."""
+    from kvserve.worker.executor import create_model_runner
+
+    return create_model_runner(config)
+
+
+class EngineCore:
+    """Schedules, executes and reports, one step at a time."""
+
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        self.config = config
+        self.executor = executor
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, executor.num_kv_blocks + 1
+        )
+        self.num_steps = 0
+        self.last_step_s = time.monotonic()
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """End requests now; returns their final outputs (finish_reason "abort")."""
+        finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in finished]
+
+    def finish_stopped(self, request_ids: list[str]) -> None:
+        """End requests stopped by a stop string found in their text."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.num_steps += 1
+        self.last_step_s = time.monotonic()
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.scheduler.requests.get(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.scheduler.stats(), "num_steps": self.num_steps}

@@ -1,0 +1,123 @@
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``.
+
+It owns an ``LLMEngine`` and steps it until every submitted request is done,
+with a progress bar; ``chat`` goes through the tokenizer's chat template.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine, Prompt
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.tokenizer import AnyTokenizer
+
+Message = dict[str, str]
+
+
+class LLM:
+    """Generate for a batch of prompts, offline.
+
+    ``LLM(model=PATH_OR_PRESET, dtype="auto", block_size=16, num_kv_blocks=None,
+    max_num_seqs=256, max_num_batched_tokens=None, enable_prefix_caching=True,
+    max_model_len=None, load_format="auto", seed=0, ...)``: every keyword of
+    ``EngineArgs``. With no model, the bundled default model is used.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self) -> AnyTokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in the order given.
+
+        A prompt is a string or a list of token ids; ``sampling_params`` is
+        one for all or one per prompt. Every prompt is validated before any
+        runs, so a bad one raises ValueError and nothing is queued.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(sampling_params, len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        for prompt, params in zip(prompt_list, params_list):
+            _, token_ids = self.engine.tokenize_prompt(prompt)
+            self.engine.resolve_params(len(token_ids), params)
+        request_ids = []
+        for prompt, params, prio in zip(prompt_list, params_list, priorities):
+            request_ids.append(self.engine.add_request(prompt, params, priority=prio))
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them."""
+        conversations: list[list[Message]] = (
+            [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[list-item]
+        )
+        prompts: list[Prompt] = [
+            self.engine.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        num_output_tokens = 0
+        while len(finished) < len(wanted) and self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    finished[output.request_id] = output
+                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    bar.update(1)
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s")
+        bar.close()
+        return [finished[r] for r in request_ids]
+
+    def stats(self) -> dict[str, Any]:
+        """KV blocks (total, free, cached), prefix-cache counters, preemptions,
+        running and waiting requests."""
+        return self.engine.stats()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # type: ignore[list-item]
+    return prompts  # type: ignore[return-value]
+
+
+def _broadcast(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(
+            f"sampling_params: {len(params)} given for {count} prompts; pass one or one per prompt"
+        )
+    return params

@@ -1,0 +1,300 @@
+"""The synchronous engine: text in, text out, one ``step()`` at a time.
+
+It turns prompts into token ids, validates them, fans a request with
+``n > 1`` out into ``n`` core requests, steps the ``EngineCore``, and turns
+token ids back into text with one incremental detokenizer per sample,
+ending a sample early when a stop string appears. ``LLM`` (offline) and the
+``EngineClient`` (server) are both built on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.config import EngineConfig
+from kvserve.core.outputs import EngineCoreOutput
+from kvserve.core.request import Request
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.engine_core import EngineCore, Executor, create_executor
+from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.engine.tokenizer import AnyTokenizer, ByteTokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _Sample:
+    """One of the ``n`` completions of a request, as the engine tracks it."""
+
+    index: int
+    core_request_id: str
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Tracked:
+    """A user request and its samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class LLMEngine:
+    """Tokenize, schedule, run, detokenize: the engine loop, stepped by its owner."""
+
+    def __init__(self, config: EngineConfig, tokenizer: AnyTokenizer, core: EngineCore) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.core = core
+        self.max_model_len = config.scheduler_config.max_model_len
+        self.eos_token_ids = self._eos_token_ids()
+        self._tracked: dict[str, _Tracked] = {}
+        self._core_to_user: dict[str, tuple[str, int]] = {}
+        self._counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, executor: Executor | None = None) -> LLMEngine:
+        config = args.create_engine_config()
+        tokenizer: AnyTokenizer = (
+            load_tokenizer(config.tokenizer_path) if config.tokenizer_path else ByteTokenizer()
+        )
+        core = EngineCore(config, executor or create_executor(config))
+        return cls(config, tokenizer, core)
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.config.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # ------------------------------------------------------------ input
+
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """Token ids of a prompt (text or ids), validated against the model."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt: must contain at least 1 token")
+        vocab_size = self.config.model_config.vocab_size
+        for i, token_id in enumerate(token_ids):
+            if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"prompt[{i}]={token_id!r} is invalid: token ids must be integers in "
+                    f"[0, {vocab_size - 1}]"
+                )
+        return None, token_ids
+
+    def resolve_params(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """Fill in ``max_tokens`` when unset and check the request fits the context."""
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} tokens leave no room in max_model_len="
+                f"{self.max_model_len}; the prompt must be at most {self.max_model_len - 1} "
+                "tokens"
+            )
+        params = params.with_eos_token_ids(self.eos_token_ids)
+        if params.max_tokens is None:
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} is invalid: the prompt has {num_prompt_tokens} "
+                f"tokens and max_model_len={self.max_model_len}, so at most {room} tokens can "
+                "be generated"
+            )
+        return params
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request; raises ValueError (naming the field) if it is invalid."""
+        request_id = request_id if request_id is not None else str(next(self._counter))
+        if request_id in self._tracked:
+            raise ValueError(f"request_id='{request_id}' is already in use")
+        text, token_ids = self.tokenize_prompt(prompt)
+        params = self.resolve_params(len(token_ids), params or SamplingParams())
+        samples = []
+        core_requests = []
+        for index, child in enumerate(params.children()):
+            core_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            core_requests.append(Request(core_id, token_ids, child, self.eos_token_ids, priority))
+            samples.append(_Sample(index, core_id,
+                                   IncrementalDetokenizer(self.tokenizer, token_ids, child)))
+        added: list[str] = []
+        try:
+            for core_request in core_requests:
+                self.core.add_request(core_request)
+                added.append(core_request.request_id)
+        except ValueError:
+            self.core.abort_requests(added)
+            raise
+        self._tracked[request_id] = _Tracked(
+            request_id, text, token_ids, params, samples,
+            RequestMetrics(arrival_s=core_requests[0].arrival_s),
+        )
+        for sample in samples:
+            self._core_to_user[sample.core_request_id] = (request_id, sample.index)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now; its samples finish with reason "abort"."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        core_ids = [s.core_request_id for s in tracked.samples if s.finish_reason is None]
+        self.core.abort_requests(core_ids)
+        for sample in tracked.samples:
+            sample.finish_reason = sample.finish_reason or "abort"
+        return self._finish_output(tracked)
+
+    # ------------------------------------------------------------ step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; one output per user request that changed."""
+        core_outputs = self.core.step()
+        changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        stopped: list[str] = []
+        for core_output in core_outputs:
+            user_id, index = self._core_to_user[core_output.request_id]
+            tracked = self._tracked[user_id]
+            sample = tracked.samples[index]
+            delta = self._process(tracked, sample, core_output, stopped)
+            changed.setdefault(user_id, {})[index] = delta
+        if stopped:
+            self.core.finish_stopped(stopped)
+        results = []
+        for user_id, deltas in changed.items():
+            tracked = self._tracked[user_id]
+            results.append(self._make_output(tracked, deltas))
+            if tracked.finished:
+                self._forget(tracked)
+        return results
+
+    def _process(
+        self,
+        tracked: _Tracked,
+        sample: _Sample,
+        core_output: EngineCoreOutput,
+        stopped: list[str],
+    ) -> tuple[str, list[int]]:
+        request = self.core.get_request(core_output.request_id)
+        self._update_metrics(tracked, core_output, request)
+        new_ids = core_output.new_token_ids
+        sample.token_ids.extend(new_ids)
+        if core_output.new_logprobs is not None:
+            self._append_logprobs(sample, core_output)
+        stop_string = sample.detokenizer.update(new_ids)
+        if core_output.finish_reason is not None:
+            sample.finish_reason = core_output.finish_reason
+            sample.stop_reason = core_output.stop_reason
+        elif stop_string is not None:
+            sample.finish_reason = "stop"
+            sample.stop_reason = stop_string
+            stopped.append(sample.core_request_id)
+        delta_text = (sample.detokenizer.flush() if sample.finish_reason is not None
+                      else sample.detokenizer.get_delta())
+        return delta_text, new_ids
+
+    def _update_metrics(
+        self, tracked: _Tracked, core_output: EngineCoreOutput, request: Request | None
+    ) -> None:
+        now = time.monotonic()
+        metrics = tracked.metrics
+        if metrics.first_token_s is None:
+            metrics.first_token_s = now
+            metrics.num_cached_tokens = core_output.num_cached_tokens
+            if request is not None:
+                metrics.first_scheduled_s = request.times.first_scheduled_s
+        metrics.last_token_s = now
+
+    def _append_logprobs(self, sample: _Sample, core_output: EngineCoreOutput) -> None:
+        if sample.logprobs is None:
+            sample.logprobs = []
+            sample.cumulative_logprob = 0.0
+        assert core_output.new_logprobs is not None
+        for entry in core_output.new_logprobs:
+            ranked = {}
+            for position, (token_id, value) in enumerate(zip(entry.token_ids, entry.logprobs)):
+                rank = entry.sampled_rank if position == 0 else position
+                ranked.setdefault(token_id, Logprob(value, rank, self.tokenizer.decode([token_id])))
+            sample.logprobs.append(ranked)
+            sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entry.logprobs[0]
+
+    def _make_output(
+        self, tracked: _Tracked, deltas: dict[int, tuple[str, list[int]]]
+    ) -> RequestOutput:
+        completions = []
+        for sample in tracked.samples:
+            delta_text, delta_ids = deltas.get(sample.index, ("", []))
+            completions.append(
+                CompletionOutput(
+                    index=sample.index,
+                    text=sample.detokenizer.output_text,
+                    token_ids=list(sample.token_ids),
+                    finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
+                    logprobs=sample.logprobs,
+                    cumulative_logprob=sample.cumulative_logprob,
+                    delta_text=delta_text,
+                    delta_token_ids=list(delta_ids),
+                )
+            )
+        if tracked.finished:
+            tracked.metrics.finished_s = time.monotonic()
+        return RequestOutput(
+            request_id=tracked.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=tracked.prompt_token_ids,
+            outputs=completions,
+            finished=tracked.finished,
+            metrics=tracked.metrics,
+        )
+
+    def _finish_output(self, tracked: _Tracked) -> RequestOutput:
+        output = self._make_output(tracked, {})
+        self._forget(tracked)
+        return output
+
+    def _forget(self, tracked: _Tracked) -> None:
+        self._tracked.pop(tracked.request_id, None)
+        for sample in tracked.samples:
+            self._core_to_user.pop(sample.core_request_id, None)
+
+    # ------------------------------------------------------------ state
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._tracked)
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()

@@ -1,0 +1,76 @@
+"""What the engine returns to users: ``RequestOutput`` with one
+``CompletionOutput`` per sample, shaped like vLLM's so code can switch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token and its rank in the distribution."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sample of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    # one dict per generated token: token id -> Logprob (sampled + top ones)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    # what this step added, for streaming
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timings in seconds (``time.monotonic`` clock)."""
+
+    arrival_s: float
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finished_s: float | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def queue_s(self) -> float | None:
+        if self.first_scheduled_s is None:
+            return None
+        return self.first_scheduled_s - self.arrival_s
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_s is None:
+            return None
+        return self.first_token_s - self.arrival_s
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step (cumulative text and tokens)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens

@@ -1,0 +1,51 @@
+"""Token embedding and the LM head (optionally tied to the embedding).
+
+No vocab padding or TP vocab split yet; both would live here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.layers.linear import default_weight_loader, set_weight_loader
+
+
+class VocabEmbedding(nn.Module):
+    """Looks up ``[num_tokens]`` ids in a ``[vocab_size, hidden_size]`` table."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        set_weight_loader(self.weight, default_weight_loader)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)  # [num_tokens, hidden_size]
+
+
+class LMHead(nn.Module):
+    """Projects hidden states to float32 logits over the vocab.
+
+    With ``tied_to`` the head reuses the embedding's parameter (no copy, and
+    the checkpoint needs no ``lm_head.weight``).
+    """
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None
+    ) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.tied = tied_to is not None
+        if tied_to is not None:
+            self.weight = tied_to.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+            set_weight_loader(self.weight, default_weight_loader)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # matmul in the model dtype, logits in float32 for the sampler
+        return F.linear(hidden_states, self.weight).float()  # [num_tokens, vocab_size]

@@ -1,0 +1,174 @@
+"""From a model argument to a ready ``nn.Module``: config, dtype, weights.
+
+Owns reading ``config.json`` (or a preset), choosing the dtype, building the
+model on its device in its dtype, and filling it either with seeded random
+weights (``load_format="dummy"``) or by streaming tensors from
+``model.safetensors`` / the shards of ``model.safetensors.index.json``.
+It never downloads: a model is a preset name or a local directory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.layers.norm import RMSNorm
+from kvserve.models.presets import PRESETS, get_preset, is_preset
+from kvserve.models.registry import CausalLM, get_model_class
+
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_STD = 0.02
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_model_config(model: str) -> tuple[ModelConfig, Path | None]:
+    """A preset name -> (its config, None); a local directory -> (its config.json, the path)."""
+    if is_preset(model):
+        return ModelConfig.from_hf_config(get_preset(model), source=f"preset '{model}'"), None
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"model: '{path}' is not an existing directory nor a preset "
+            f"({', '.join(sorted(PRESETS))}); hub downloads are not supported, "
+            "pass a local checkpoint directory"
+        )
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"model: {config_file} not found; a checkpoint directory needs config.json"
+        )
+    try:
+        hf_config: Any = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"model: {config_file} is not valid JSON ({e})") from e
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"model: {config_file} must hold a JSON object")
+    return ModelConfig.from_hf_config(hf_config, source=str(config_file)), path
+
+
+def resolve_dtype(name: str, config: ModelConfig, device: torch.device | str) -> torch.dtype:
+    """``"auto"``: the checkpoint's dtype on CUDA, float32 elsewhere; or an explicit name."""
+    if name == "auto":
+        if torch.device(device).type != "cuda":
+            return torch.float32
+        checkpoint_dtype = config.dtype.removeprefix("torch.")
+        return _DTYPES.get(checkpoint_dtype, torch.bfloat16)
+    if name not in _DTYPES:
+        raise ValueError(f"dtype='{name}' is not supported; allowed: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    config: ModelConfig,
+    path: Path | None,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+) -> CausalLM:
+    """Build ``config``'s model directly on ``device`` in ``dtype`` and fill its weights."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format='{load_format}' is not supported; allowed: {', '.join(LOAD_FORMATS)}"
+        )
+    if load_format == "auto" and path is None:
+        raise ValueError(
+            f"load_format='auto' needs a checkpoint directory but model '{config.architecture}' "
+            "is a preset without weights; use load_format='dummy'"
+        )
+    device = torch.device(device)
+    model_cls = get_model_class(config.architecture)
+    files = _checkpoint_files(path) if load_format == "auto" and path is not None else []
+    with torch.device(device), _default_dtype(dtype):
+        model = model_cls(config)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(iter_safetensors(files))
+    model.eval()
+    return model
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Seeded small random weights (normal, std ``DUMMY_STD``); norm scales set to 1."""
+    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    generator: torch.Generator | None = None
+    with torch.no_grad():
+        for param in model.parameters():
+            if id(param) in norm_weights:
+                param.fill_(1.0)
+                continue
+            if generator is None or generator.device != param.device:
+                generator = torch.Generator(device=param.device).manual_seed(seed)
+            param.normal_(0.0, DUMMY_STD, generator=generator)
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files to read, all checked to exist before any is read."""
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+                AttributeError) as e:
+            raise ValueError(f"model: {index} is not a valid safetensors index ({e!r})") from e
+        files = [path / name for name in names]
+    elif single.is_file():
+        files = [single]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(
+                f"model: no model.safetensors, model.safetensors.index.json or *.safetensors "
+                f"in {path} (only the safetensors format is supported)"
+            )
+    for file in files:
+        if not file.is_file():
+            raise ValueError(f"model: checkpoint shard {file} (listed in {index.name}) not found")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream ``(name, tensor)`` from each file, one tensor in memory at a time."""
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+            names = list(handle.keys())
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise ValueError(f"model: {file} is not a readable safetensors file ({e})") from e
+        for name in names:
+            try:
+                tensor = handle.get_tensor(name)
+            except Exception as e:
+                raise ValueError(f"model: {file} is corrupt: tensor '{name}' ({e})") from e
+            yield name, tensor

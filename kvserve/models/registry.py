@@ -1,0 +1,65 @@
+"""The model interface and the map from architecture name to model class.
+
+``CausalLM`` is what the model runner calls on every model; ``get_model_class``
+looks a class up by ``config.json``'s ``architectures[0]``, importing the
+model's module lazily on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.config import ModelConfig
+
+
+class CausalLM(nn.Module):
+    """Base of every model class: built from a ``ModelConfig``, run on a flattened batch."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size], final norm applied
+        raise NotImplementedError
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[num_rows, hidden_size]`` -> ``[num_rows, vocab_size]`` float32 logits."""
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill every parameter from HF-named tensors; ValueError naming any bad tensor."""
+        raise NotImplementedError
+
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("kvserve.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("kvserve.models.llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("kvserve.models.qwen", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("kvserve.models.qwen", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return list(_MODELS)
+
+
+def get_model_class(architecture: str) -> type[CausalLM]:
+    """The class implementing ``architecture``; ValueError listing the supported ones."""
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"architecture '{architecture}' is not supported; "
+            f"supported: {', '.join(_MODELS)}"
+        )
+    module_name, class_name = _MODELS[architecture]
+    model_cls: type[CausalLM] = getattr(importlib.import_module(module_name), class_name)
+    return model_cls

@@ -1,0 +1,77 @@
+"""The GPU table of ``kvserve plan``: memory, bandwidth and peak tensor rates.
+
+Owns the spec-sheet numbers of a few common GPUs (dense rates, never the
+2:4-sparsity figures vendors print beside them) and their lookup by name.
+Pure data: no torch, no device queries — `plan` runs on any machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU model as its datasheet describes it.
+
+    ``memory_gb`` and ``bandwidth_gb_s`` are decimal (1 GB = 1e9 bytes);
+    rates are dense tensor-core peaks in TFLOP/s (TOP/s for INT8). A chip
+    without FP8 or INT8 tensor support has ``None`` there.
+    """
+
+    name: str
+    description: str
+    memory_gb: float
+    bandwidth_gb_s: float
+    bf16_tflops: float
+    fp8_tflops: float | None = None
+    int8_tops: float | None = None
+
+    def tflops_for(self, weights: str) -> float:
+        """The peak rate that matmuls with ``weights`` run at.
+
+        FP8 weights use the FP8 rate and INT8 weights the INT8 rate where
+        the chip has one; everything else (bf16, fp16, weight-only int4,
+        which is dequantised to 16 bits) runs at the bf16 rate.
+        """
+        if weights == "fp8" and self.fp8_tflops is not None:
+            return self.fp8_tflops
+        if weights == "int8" and self.int8_tops is not None:
+            return self.int8_tops
+        return self.bf16_tflops
+
+
+GPUS: dict[str, GpuSpec] = {
+    spec.name: spec
+    for spec in (
+        GpuSpec("h100-sxm", "NVIDIA H100 SXM5 80GB", 80, 3350, 989, 1979, 1979),
+        GpuSpec("h100-pcie", "NVIDIA H100 PCIe 80GB", 80, 2000, 756, 1513, 1513),
+        GpuSpec("h200", "NVIDIA H200 SXM 141GB", 141, 4800, 989, 1979, 1979),
+        GpuSpec("b200", "NVIDIA B200 (HGX, 1000 W)", 180, 8000, 2250, 4500, 4500),
+        GpuSpec("a100-80gb", "NVIDIA A100 SXM4 80GB", 80, 2039, 312, None, 624),
+        GpuSpec("a100-40gb", "NVIDIA A100 SXM4 40GB", 40, 1555, 312, None, 624),
+        GpuSpec("l40s", "NVIDIA L40S 48GB", 48, 864, 362, 733, 733),
+        # GeForce: FP16/BF16 with FP32 accumulation runs at half the FP16-accumulate rate
+        GpuSpec("rtx-4090", "NVIDIA GeForce RTX 4090 24GB", 24, 1008, 165.2, 330.3, 660.6),
+        # datasheet "Tensor Performance" 327.6 is sparse FP8: dense FP8 163.8, bf16 81.9
+        GpuSpec("rtx-4000-ada", "NVIDIA RTX 4000 Ada Generation 20GB", 20, 432, 81.9, 163.8,
+                163.8),
+        GpuSpec("rtx-3080", "NVIDIA GeForce RTX 3080 10GB", 10, 760, 59.5, None, 238),
+    )
+}
+
+ALIASES: dict[str, str] = {
+    "h100": "h100-sxm",
+    "a100": "a100-80gb",
+    "4090": "rtx-4090",
+    "3080": "rtx-3080",
+}
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """Look a GPU up by table name or alias, case-insensitively."""
+    key = name.strip().lower().replace("_", "-")
+    key = ALIASES.get(key, key)
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU '{name}'; known: {', '.join(sorted(GPUS))}")
+    return GPUS[key]

@@ -1,0 +1,1 @@
+"""The device side: model runner, KV cache tensors, input preparation."""

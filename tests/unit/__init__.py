@@ -1,0 +1,1 @@
+"""CPU unit tests: fast, no GPU, no network."""

@@ -1,0 +1,299 @@
+"""Scheduler, KV manager and block pool on CPU with a fake executor: the
+token-budget rule, prefix caching, preemption, rejection, and randomised
+add / abort / step runs checking the pool's invariants after every step."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.core.block_pool import NULL_BLOCK_ID, BlockPool
+from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.scheduler import Scheduler
+
+VOCAB = 50
+EOS = 2
+
+
+def fake_token(token_ids: list[int]) -> int:
+    """A deterministic 'model': the next token depends on the whole sequence."""
+    return (sum((i + 1) * t for i, t in enumerate(token_ids)) % (VOCAB - 3)) + 3
+
+
+class FakeExecutor:
+    """Samples for every scheduled request whose computed tokens caught up."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
+        for request_id in out.num_scheduled_tokens:
+            request = self.scheduler.requests[request_id]
+            if request.num_computed_tokens == request.num_tokens:
+                result.sampled_token_ids[request_id] = [fake_token(request.all_token_ids)]
+        return result
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, **kwargs: object) -> Scheduler:
+    sched_kwargs = {"max_num_seqs": 8, "max_num_batched_tokens": 32, "max_model_len": 128}
+    sched_kwargs.update(kwargs)  # type: ignore[arg-type]
+    return Scheduler(
+        SchedulerConfig(**sched_kwargs),  # type: ignore[arg-type]
+        CacheConfig(block_size=block_size),
+        num_blocks,
+    )
+
+
+def make_request(request_id: str, prompt: list[int], max_tokens: int = 8,
+                 priority: int = 0) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return Request(request_id, prompt, params, eos_token_ids=(EOS,), priority=priority)
+
+
+def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
+    pool = scheduler.kv_manager.pool
+    owners: dict[int, int] = {}
+    for blocks in scheduler.kv_manager.req_to_blocks.values():
+        for block in blocks:
+            owners[block.block_id] = owners.get(block.block_id, 0) + 1
+    for block in pool.blocks:
+        expected = owners.get(block.block_id, 0) + (block.block_id == NULL_BLOCK_ID)
+        assert block.ref_cnt == expected, f"block {block.block_id} ref_cnt mismatch"
+        assert not (pool.is_free(block) and block.ref_cnt > 0), "block both free and owned"
+        if block.ref_cnt == 0 and block.block_id != NULL_BLOCK_ID:
+            assert pool.is_free(block), f"unowned block {block.block_id} not in free queue"
+    cfg = scheduler.config
+    assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+    assert len(out.num_scheduled_tokens) <= cfg.max_num_seqs
+    assert len(scheduler.running) <= cfg.max_num_seqs
+    for request in scheduler.running:
+        held = len(scheduler.kv_manager.req_to_blocks.get(request.request_id, []))
+        assert held == -(-request.num_computed_tokens // scheduler.block_size)
+        assert request.num_computed_tokens <= request.num_tokens
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> dict[str, list[int]]:
+    executor = FakeExecutor(scheduler)
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests:
+            break
+        out = scheduler.schedule()
+        check_invariants(scheduler, out)
+        for core_out in scheduler.update_from_output(out, executor.execute_model(out)):
+            outputs.setdefault(core_out.request_id, []).extend(core_out.new_token_ids)
+    assert not scheduler.has_unfinished_requests, "scheduler did not finish (deadlock?)"
+    return outputs
+
+
+def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(fake_token(tokens))
+    return tokens[len(prompt):]
+
+
+def test_core_imports_no_torch() -> None:
+    code = "import sys, kvserve.core.scheduler; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_decodes_first_then_prefill_chunks_fill_the_budget() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    scheduler.add_request(make_request("a", list(range(3, 9)), max_tokens=4))
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"a": 6}
+    scheduler.update_from_output(out, FakeExecutor(scheduler).execute_model(out))
+    scheduler.add_request(make_request("b", list(range(3, 23)), max_tokens=4))
+    out = scheduler.schedule()
+    # a's decode first (1 token), then a 9-token chunk of b's 20-token prompt
+    assert out.num_scheduled_tokens == {"a": 1, "b": 9}
+
+
+def test_chunked_prefill_off_waits_for_whole_prompt() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=128, enable_chunked_prefill=False)
+    scheduler.add_request(make_request("a", list(range(3, 103)), max_tokens=2))
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"a": 100}
+
+
+def test_outputs_match_reference_with_any_budget() -> None:
+    prompts = {f"r{i}": [3 + (i * 7 + j) % 40 for j in range(5 + 3 * i)] for i in range(6)}
+    for budget in (1, 3, 7, 32, 128):
+        scheduler = make_scheduler(max_num_batched_tokens=budget)
+        for request_id, prompt in prompts.items():
+            scheduler.add_request(make_request(request_id, prompt, max_tokens=6))
+        outputs = run_to_completion(scheduler)
+        for request_id, prompt in prompts.items():
+            assert outputs[request_id] == reference_output(prompt, 6), (budget, request_id)
+
+
+def test_prefix_cache_hit_on_shared_prompt_and_second_turn() -> None:
+    scheduler = make_scheduler(block_size=4)
+    system = list(range(3, 19))  # 16 tokens = 4 full blocks
+    scheduler.add_request(make_request("a", [*system, 30, 31], max_tokens=3))
+    first = run_to_completion(scheduler)
+    scheduler.add_request(make_request("b", [*system, 40, 41, 42], max_tokens=3))
+    scheduler.schedule()
+    assert scheduler.requests["b"].num_cached_tokens == 16
+    run_to_completion(scheduler)
+    # second turn: prompt of turn 1 + its answer + a new message
+    turn2 = [*system, 30, 31, *first["a"], 50, 51, 52, 53]
+    scheduler.add_request(make_request("c", turn2, max_tokens=2))
+    scheduler.schedule()
+    assert scheduler.requests["c"].num_cached_tokens == 20
+    stats = scheduler.stats()
+    assert stats["prefix_cache_hits"] == 36
+    run_to_completion(scheduler)
+    assert scheduler.kv_manager.pool.num_free_blocks == scheduler.kv_manager.pool.num_usable_blocks
+
+
+def test_full_prompt_hit_still_computes_last_token() -> None:
+    scheduler = make_scheduler(block_size=4)
+    prompt = list(range(3, 11))  # exactly 2 blocks
+    scheduler.add_request(make_request("a", prompt, max_tokens=1))
+    run_to_completion(scheduler)
+    scheduler.add_request(make_request("b", prompt, max_tokens=1))
+    out = scheduler.schedule()
+    assert scheduler.requests["b"].num_cached_tokens == 4
+    assert out.num_scheduled_tokens == {"b": 4}
+
+
+def test_shared_blocks_are_one_copy() -> None:
+    scheduler = make_scheduler(block_size=4, max_num_batched_tokens=64)
+    system = list(range(3, 19))
+    scheduler.add_request(make_request("a", [*system, 30], max_tokens=8))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, FakeExecutor(scheduler).execute_model(out))
+    scheduler.add_request(make_request("b", [*system, 31], max_tokens=8))
+    scheduler.schedule()
+    blocks_a = scheduler.kv_manager.get_block_ids("a")
+    blocks_b = scheduler.kv_manager.get_block_ids("b")
+    assert blocks_a[:4] == blocks_b[:4]
+    assert blocks_a[4] != blocks_b[4]
+
+
+def test_preemption_gives_identical_outputs() -> None:
+    prompts = {f"r{i}": [3 + (i * 5 + j) % 41 for j in range(9 + i)] for i in range(5)}
+    roomy = make_scheduler(num_blocks=200)
+    tight = make_scheduler(num_blocks=12)
+    for scheduler in (roomy, tight):
+        for request_id, prompt in prompts.items():
+            scheduler.add_request(make_request(request_id, prompt, max_tokens=20))
+    assert run_to_completion(roomy) == run_to_completion(tight)
+    assert tight.num_preemptions > 0
+    assert roomy.num_preemptions == 0
+
+
+def test_priority_policy_preempts_least_important() -> None:
+    scheduler = make_scheduler(num_blocks=9, policy="priority", max_num_batched_tokens=64)
+    scheduler.add_request(make_request("low", list(range(3, 15)), max_tokens=12, priority=5))
+    scheduler.add_request(make_request("high", list(range(20, 32)), max_tokens=12, priority=0))
+    outputs = run_to_completion(scheduler)
+    assert outputs["high"] == reference_output(list(range(20, 32)), 12)
+    assert outputs["low"] == reference_output(list(range(3, 15)), 12)
+    assert scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens", "needle"),
+    [(120, 20, "max_model_len"), (0, 4, "prompt"), (60, 60, "KV blocks")],
+)
+def test_requests_that_can_never_fit_are_rejected(
+    prompt_len: int, max_tokens: int, needle: str
+) -> None:
+    scheduler = make_scheduler(num_blocks=20, block_size=4)
+    with pytest.raises(ValueError, match=needle):
+        scheduler.add_request(make_request("x", list(range(prompt_len)), max_tokens=max_tokens))
+    assert not scheduler.has_unfinished_requests
+
+
+def test_abort_frees_blocks_and_others_finish() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", list(range(3, 20)), max_tokens=10))
+    scheduler.add_request(make_request("b", list(range(5, 9)), max_tokens=10))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, FakeExecutor(scheduler).execute_model(out))
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    outputs = run_to_completion(scheduler)
+    assert outputs["b"] == reference_output(list(range(5, 9)), 10)[1:]
+    pool = scheduler.kv_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+def test_stop_token_and_eos() -> None:
+    scheduler = make_scheduler()
+    prompt = list(range(3, 10))
+    expected = reference_output(prompt, 10)
+    params = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[expected[3]])
+    scheduler.add_request(Request("a", prompt, params, eos_token_ids=(EOS,)))
+    outputs = run_to_completion(scheduler)
+    assert outputs["a"] == expected[: expected.index(expected[3]) + 1]
+
+
+def test_block_pool_lru_eviction_keeps_recent_prefixes() -> None:
+    pool = BlockPool(num_blocks=4)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_full_block(a, b"a")
+    pool.cache_full_block(b, b"b")
+    pool.free_blocks([a])
+    pool.free_blocks([b])
+    assert pool.get_cached_block(b"a") is a
+    pool.free_blocks([c])
+    [first] = pool.get_new_blocks(1)  # evicts the least recently freed: a
+    assert first is a and pool.get_cached_block(b"a") is None
+    assert pool.get_cached_block(b"b") is b
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_randomised_add_abort_step_keeps_invariants(seed: int) -> None:
+    rng = random.Random(seed)
+    scheduler = make_scheduler(
+        num_blocks=rng.choice([10, 16, 40]),
+        block_size=rng.choice([2, 4, 8]),
+        max_num_batched_tokens=rng.choice([4, 16, 64]),
+        max_num_seqs=rng.choice([1, 3, 8]),
+        max_model_len=64,
+        policy=rng.choice(["fcfs", "priority"]),
+    )
+    executor = FakeExecutor(scheduler)
+    prefixes = [[3 + rng.randrange(40) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
+    expected: dict[str, list[int]] = {}
+    got: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    for step in range(300):
+        action = rng.random()
+        if action < 0.15:
+            suffix = [3 + rng.randrange(40) for _ in range(rng.randrange(1, 8))]
+            prompt = rng.choice(prefixes) + suffix
+            max_tokens = rng.randrange(1, 12)
+            request = make_request(f"q{step}", prompt, max_tokens, priority=rng.randrange(3))
+            try:
+                scheduler.add_request(request)
+            except ValueError:
+                continue
+            expected[request.request_id] = reference_output(prompt, max_tokens)
+        elif action < 0.2 and scheduler.requests:
+            victim = rng.choice(sorted(scheduler.requests))
+            scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+            aborted.add(victim)
+        out = scheduler.schedule()
+        check_invariants(scheduler, out)
+        for core_out in scheduler.update_from_output(out, executor.execute_model(out)):
+            got.setdefault(core_out.request_id, []).extend(core_out.new_token_ids)
+    for request_id, tokens in run_to_completion(scheduler).items():
+        got.setdefault(request_id, []).extend(tokens)
+    for request_id, tokens in expected.items():
+        if request_id not in aborted:
+            assert got[request_id] == tokens, request_id
+    pool = scheduler.kv_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt == 0

@@ -1,0 +1,307 @@
+"""``kvserve plan``: the issue's worked examples, parameter counts, roofline
+bounds, JSON / table / plot output and flag errors. CPU only, no weights."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvserve.config import ModelConfig
+from kvserve.models.presets import get_preset
+from kvserve.plan import plot as plot_module
+from kvserve.plan.cli import add_plan_parser, main
+from kvserve.plan.gpus import GPUS, get_gpu
+from kvserve.plan.planner import (
+    Hardware,
+    PlanError,
+    PlanInputs,
+    compute_plan,
+    count_params,
+    decode_cost,
+    weight_bytes,
+)
+
+PLAN_KEYS = {
+    "params", "weight_bytes", "kv_bytes_per_token", "kv_bytes_per_request", "kv_bytes_total",
+    "fits", "max_batch_at_context", "max_context_at_batch", "decode_ms_per_step",
+    "decode_tokens_per_s", "decode_tokens_per_s_per_request", "prefill_ms",
+    "arithmetic_intensity_decode", "ridge_point", "bound", "e2e_ms",
+    "spec_tokens_per_step", "spec_speedup",
+}
+
+
+def _model(name: str) -> ModelConfig:
+    return ModelConfig.from_hf_config(get_preset(name))
+
+
+def _plan(name: str, gpu: str = "h100-sxm", **inputs: Any) -> Any:
+    weights = inputs.get("weights", "bf16")
+    hardware = Hardware.from_gpu(get_gpu(gpu), weights)
+    return compute_plan(_model(name), hardware, PlanInputs(**inputs))
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse errors
+        rc = int(e.code or 0)
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def _write_config(directory: Path, **overrides: Any) -> Path:
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
+        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+    }
+    config.update(overrides)
+    config = {k: v for k, v in config.items() if v is not None}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+# -- the issue's worked examples ----------------------------------------------------------
+
+
+def test_kv_32_layers_32_kv_heads_fp16_at_4096(tmp_path: Path) -> None:
+    plan = _plan("llama-2-7b", context=4096, kv_dtype="fp16")
+    assert plan.kv_bytes_per_request == pytest.approx(2_147_483_648, rel=0.01)
+    model_dir = _write_config(tmp_path / "m")
+    model = ModelConfig.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    hardware = Hardware.from_gpu(get_gpu("h100-sxm"))
+    from_dir = compute_plan(model, hardware, PlanInputs(context=4096, kv_dtype="fp16"))
+    assert from_dir.kv_bytes_per_request == 2_147_483_648
+
+
+def test_kv_llama_2_70b_bf16() -> None:
+    plan = _plan("llama-2-70b", context=4096)
+    assert plan.kv_bytes_per_request == pytest.approx(1_342_177_280, rel=0.01)
+    # 171.8 GB is batch 64 x 32,768 tokens per GPU at --tp 4 (the whole model needs
+    # 4 x as much, 687.2 GB); the same bytes as batch 64 x 8,192 on one GPU.
+    per_gpu = _plan("llama-2-70b", context=32768, batch=64, tp=4)
+    assert per_gpu.kv_bytes_total / 1e9 == pytest.approx(171.8, rel=0.01)
+    whole = _plan("llama-2-70b", context=32768, batch=64)
+    assert whole.kv_bytes_total == 4 * per_gpu.kv_bytes_total
+    assert _plan("llama-2-70b", context=8192, batch=64).kv_bytes_total / 1e9 == pytest.approx(
+        171.8, rel=0.01)
+
+
+def test_h100_sxm_ridge_point() -> None:
+    assert _plan("llama-3-8b").ridge_point == pytest.approx(295, rel=0.01)
+
+
+def test_speculative_tokens_and_speedup() -> None:
+    plan = _plan("llama-3-8b", spec_k=4, spec_alpha=0.8, spec_cost_ratio=0.11)
+    assert plan.spec_tokens_per_step == pytest.approx(4.2, rel=0.01)
+    assert plan.spec_speedup == pytest.approx(2.92, rel=0.01)
+    assert _plan("llama-3-8b").spec_speedup is None
+
+
+# -- parameters and bytes -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "expected"), [("llama-3-8b", 8.03e9), ("qwen2.5-7b", 7.62e9)])
+def test_param_counts(name: str, expected: float) -> None:
+    assert count_params(_model(name)).total == pytest.approx(expected, rel=0.01)
+
+
+def test_int4_quantizes_only_the_decoder_linears() -> None:
+    params = count_params(_model("llama-3-8b"))
+    int4 = weight_bytes(params, PlanInputs(weights="int4"))
+    assert int4 == params.linear * 0.5 + (params.total - params.linear) * 2
+    assert weight_bytes(params, PlanInputs(weights="bf16")) == params.total * 2
+
+
+def test_tp_splits_weights_and_replicates_kv_heads_below_tp() -> None:
+    one = _plan("llama-3-8b")
+    eight = _plan("llama-3-8b", tp=8)
+    assert eight.weight_bytes == pytest.approx(one.weight_bytes / 8, rel=1e-6)
+    assert eight.kv_bytes_per_token == one.kv_bytes_per_token // 8
+    # 8 KV heads on 16 GPUs: each keeps one whole head
+    assert _plan("llama-3-8b", tp=16).kv_bytes_per_token == eight.kv_bytes_per_token
+
+
+def test_moe_counts_all_experts_for_bytes_and_active_ones_for_flops() -> None:
+    base = get_preset("llama-2-7b")
+    dense = ModelConfig.from_hf_config(base)
+    moe = ModelConfig.from_hf_config({**base, "num_local_experts": 8, "num_experts_per_tok": 2})
+    mlp = 32 * 3 * 4096 * 11008
+    assert count_params(moe).total - count_params(dense).total == 7 * mlp + 32 * 4096 * 8
+    ratio = decode_cost(moe, PlanInputs(context=1)).flops / decode_cost(
+        dense, PlanInputs(context=1)).flops
+    assert 1.5 < ratio < 2.0  # two experts run, not eight
+
+
+def test_compute_rate_follows_weights() -> None:
+    h100, a100 = get_gpu("h100-sxm"), get_gpu("a100-80gb")
+    assert Hardware.from_gpu(h100, "fp8").flops_s == 1979e12
+    assert Hardware.from_gpu(a100, "fp8").flops_s == 312e12  # no FP8 on Ampere
+    assert Hardware.from_gpu(a100, "int8").flops_s == 624e12
+    assert Hardware.from_gpu(h100, "int4").flops_s == 989e12
+    assert Hardware.from_gpu(h100, "bf16", flops_tflop_s=100).flops_s == 100e12
+
+
+def test_gpu_table() -> None:
+    for name in ("h100-sxm", "h100-pcie", "h200", "a100-80gb", "a100-40gb", "l40s",
+                 "rtx-4090", "rtx-4000-ada", "rtx-3080", "b200"):
+        assert name in GPUS
+    assert get_gpu("A100-80GB").bandwidth_gb_s == 2039
+    assert get_gpu("rtx-4000-ada").bandwidth_gb_s == 432
+    assert get_gpu("rtx-3080").bandwidth_gb_s == 760
+
+
+# -- roofline -----------------------------------------------------------------------------
+
+
+def test_decode_memory_bound_at_batch_1_compute_bound_at_large_batch() -> None:
+    small = _plan("llama-3-8b", batch=1, context=1024)
+    assert small.bound == "memory"
+    assert small.arithmetic_intensity_decode < small.ridge_point
+    large = _plan("llama-3-8b", batch=1024, context=128)
+    assert large.bound == "compute"
+    assert large.arithmetic_intensity_decode > large.ridge_point
+    assert large.decode_tokens_per_s > 100 * small.decode_tokens_per_s
+
+
+def test_fit_and_limits_are_consistent() -> None:
+    plan = _plan("llama-3-8b", batch=8, context=8192)
+    assert plan.fits
+    at_limit = _plan("llama-3-8b", batch=plan.max_batch_at_context, context=8192)
+    assert at_limit.fits
+    assert not _plan("llama-3-8b", batch=plan.max_batch_at_context + 1, context=8192).fits
+    assert not _plan("llama-3-8b", batch=8, context=plan.max_context_at_batch + 1).fits
+    assert not _plan("llama-2-70b", gpu="a100-40gb").fits
+
+
+def test_e2e_is_prefill_plus_output_steps() -> None:
+    plan = _plan("llama-3-8b", prompt=2048, output=100, context=2148)
+    assert plan.e2e_ms == pytest.approx(plan.prefill_ms + 100 * plan.decode_ms_per_step)
+    # a 2048-token prefill on an H100 is compute-bound: 2 x params x tokens / peak
+    assert plan.prefill_ms == pytest.approx(2 * 8.03e9 * 2048 / 989e12 * 1e3, rel=0.1)
+
+
+# -- the command --------------------------------------------------------------------------
+
+
+def test_json_has_every_key_and_the_inputs(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--json",
+                       "--spec-k", "4", "--spec-alpha", "0.8", "--spec-cost-ratio", "0.11"], capsys)
+    assert rc == 0
+    data = json.loads(out)
+    assert set(data) == PLAN_KEYS | {"inputs"}
+    assert data["inputs"]["gpu"] == "h100-sxm"
+    assert data["inputs"]["memory_utilization"] == 0.9
+    assert data["bound"] in ("memory", "compute")
+    assert isinstance(data["fits"], bool)
+    assert data["spec_speedup"] == pytest.approx(2.92, rel=0.01)
+
+
+def test_table_shows_every_key(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    model_dir = _write_config(tmp_path / "m")
+    rc, out, _ = _run(["--model", str(model_dir), "--gpu", "rtx-4090", "--context", "4096",
+                       "--kv-dtype", "fp16"], capsys)
+    assert rc == 0
+    for key in PLAN_KEYS - {"spec_tokens_per_step", "spec_speedup"}:
+        assert key in out
+    assert "2,147,483,648 B" in out
+
+
+def test_module_runs_as_a_script() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.plan", "--model", "llama-3-8b", "--gpu", "h100",
+         "--json"], capture_output=True, text=True, check=False, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout)) == PLAN_KEYS | {"inputs"}
+
+
+def test_add_plan_parser_mounts_the_subcommand() -> None:
+    parser = argparse.ArgumentParser(prog="kvserve")
+    add_plan_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", "--model", "qwen3-8b", "--gpu", "l40s", "--json"])
+    assert args.func.__name__ == "run_plan"
+    assert args.command == "plan"
+
+
+def test_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    rc, _, err = _run(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--batch", "16",
+                       "--plot", str(path)], capsys)
+    assert rc == 0, err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_install(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plot_module.importlib.util, "find_spec", lambda name: None)
+    rc, out, err = _run(["--model", "llama-3-8b", "--gpu", "h100-sxm",
+                         "--plot", str(tmp_path / "x.png")], capsys)
+    assert rc == 2
+    assert out == ""
+    assert "pip install matplotlib" in err
+
+
+def test_measure_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    rc, out, err = _run(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--measure"], capsys)
+    assert rc == 2
+    assert "needs a CUDA GPU" in err
+    assert out == ""
+
+
+@pytest.mark.parametrize(("argv", "flag", "detail"), [
+    (["--gpu", "h1000"], "--gpu", "h100-sxm"),
+    (["--batch", "0"], "--batch", ">= 1"),
+    (["--context=-5"], "--context", ">= 1"),
+    (["--tp", "two"], "--tp", "integer"),
+    (["--spec-k", "4", "--spec-alpha", "1.5", "--spec-cost-ratio", "0.1"], "--spec-alpha",
+     "[0.0, 1.0]"),
+    (["--spec-k", "4", "--spec-alpha", "0.8"], "--spec-cost-ratio", "go together"),
+    (["--bandwidth", "0"], "--bandwidth", "> 0"),
+    (["--weights", "int3"], "--weights", "int4"),
+    (["--model", "no-such-model"], "--model", "llama-3-8b"),
+])
+def test_bad_input_names_the_flag(
+    argv: list[str], flag: str, detail: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = {"--model": "llama-3-8b", "--gpu": "h100-sxm"}
+    for key in list(base):
+        if key in argv:
+            del base[key]
+    rc, out, err = _run([*argv, *[x for kv in base.items() for x in kv]], capsys)
+    assert rc == 2
+    assert flag in err
+    assert detail in err
+    assert out == ""
+
+
+def test_config_without_a_needed_field(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    model_dir = _write_config(tmp_path / "m", vocab_size=None)
+    rc, _, err = _run(["--model", str(model_dir), "--gpu", "h100-sxm"], capsys)
+    assert rc == 2
+    assert "--model" in err
+    assert "vocab_size" in err
+
+
+def test_plan_inputs_validate_without_the_cli() -> None:
+    with pytest.raises(PlanError, match="--batch"):
+        PlanInputs(batch=0)
+    with pytest.raises(PlanError, match="--spec-k"):
+        PlanInputs(spec_alpha=0.5, spec_cost_ratio=0.1)
+    inputs = PlanInputs()
+    assert dataclasses.replace(inputs, batch=4).batch == 4
