@@ -120,17 +120,19 @@ def write_tiny_tokenizer(path: Path, max_vocab_size: int) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """Factory fixture: ``tiny_checkpoint("llama")`` -> a cached checkpoint directory.
-
-    Treat the directory as read-only; copy it before editing.
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory fixture: ``tiny_checkpoint("llama", with_tokenizer=False)`` -> a cached
+    checkpoint directory. Treat it as read-only; copy it before editing.
     """
-    cache: dict[str, Path] = {}
+    cache: dict[tuple[str, bool], Path] = {}
 
-    def get(variant: str) -> Path:
-        if variant not in cache:
-            cache[variant] = make_tiny_checkpoint(variant, tmp_path_factory.mktemp(variant))
-        return cache[variant]
+    def get(variant: str, with_tokenizer: bool = False) -> Path:
+        key = (variant, with_tokenizer)
+        if key not in cache:
+            cache[key] = make_tiny_checkpoint(
+                variant, tmp_path_factory.mktemp(variant), with_tokenizer=with_tokenizer
+            )
+        return cache[key]
 
     return get
 

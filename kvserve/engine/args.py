@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvserve.assets import default_model_path
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvserve.models.loader import resolve_model_config
+from kvserve.models.source import resolve_model_config
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

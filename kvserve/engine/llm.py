@@ -7,7 +7,7 @@ with a progress bar; ``chat`` goes through the tokenizer's chat template.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -67,8 +67,9 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them."""
-        conversations: list[list[Message]] = (
-            [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[list-item]
+        conversations = cast(
+            "list[list[Message]]",
+            [messages] if messages and isinstance(messages[0], dict) else messages,
         )
         prompts: list[Prompt] = [
             self.engine.tokenizer.apply_chat_template(conversation, add_generation_prompt)
@@ -102,10 +103,10 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(p, int) for p in prompts):
-        return [prompts]  # type: ignore[list-item]
-    return prompts  # type: ignore[return-value]
+    items = list(prompts)
+    if items and all(isinstance(p, int) for p in items):
+        return [cast("list[int]", items)]
+    return cast("list[Prompt]", items)
 
 
 def _broadcast(

@@ -211,14 +211,18 @@ class LLMEngine:
         sample.token_ids.extend(new_ids)
         if core_output.new_logprobs is not None:
             self._append_logprobs(sample, core_output)
-        stop_string = sample.detokenizer.update(new_ids)
-        if core_output.finish_reason is not None:
-            sample.finish_reason = core_output.finish_reason
-            sample.stop_reason = core_output.stop_reason
-        elif stop_string is not None:
+        # a stop token's own text is left out of the output, as vLLM does
+        stop_string = sample.detokenizer.update(
+            new_ids, stop_terminated=core_output.finish_reason == "stop"
+        )
+        if stop_string is not None:
             sample.finish_reason = "stop"
             sample.stop_reason = stop_string
-            stopped.append(sample.core_request_id)
+            if core_output.finish_reason is None:
+                stopped.append(sample.core_request_id)
+        elif core_output.finish_reason is not None:
+            sample.finish_reason = core_output.finish_reason
+            sample.stop_reason = core_output.stop_reason
         delta_text = (sample.detokenizer.flush() if sample.finish_reason is not None
                       else sample.detokenizer.get_delta())
         return delta_text, new_ids
@@ -241,7 +245,7 @@ class LLMEngine:
             sample.cumulative_logprob = 0.0
         assert core_output.new_logprobs is not None
         for entry in core_output.new_logprobs:
-            ranked = {}
+            ranked: dict[int, Logprob] = {}
             for position, (token_id, value) in enumerate(zip(entry.token_ids, entry.logprobs)):
                 rank = entry.sampled_rank if position == 0 else position
                 ranked.setdefault(token_id, Logprob(value, rank, self.tokenizer.decode([token_id])))

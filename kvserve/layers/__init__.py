@@ -18,7 +18,6 @@ from kvserve.layers.linear import (
     RowLinear,
     default_weight_loader,
     get_weight_loader,
-    set_weight_loader,
 )
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, compute_inv_freq
@@ -41,5 +40,4 @@ __all__ = [
     "get_act_and_mul",
     "get_attention_layers",
     "get_weight_loader",
-    "set_weight_loader",
 ]

@@ -9,8 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.layers.linear import default_weight_loader, set_weight_loader
-
 
 class VocabEmbedding(nn.Module):
     """Looks up ``[num_tokens]`` ids in a ``[vocab_size, hidden_size]`` table."""
@@ -20,7 +18,6 @@ class VocabEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        set_weight_loader(self.weight, default_weight_loader)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)  # [num_tokens, hidden_size]
@@ -44,7 +41,6 @@ class LMHead(nn.Module):
             self.weight = tied_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-            set_weight_loader(self.weight, default_weight_loader)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # matmul in the model dtype, logits in float32 for the sampler

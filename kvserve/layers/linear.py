@@ -1,13 +1,14 @@
-"""Dense projections of a decoder, each parameter carrying a weight loader.
+"""Dense projections of a decoder, each layer with a per-shard weight loader.
 
 Owns ``Linear`` and its tensor-parallel roles (``ColumnLinear`` splits the
 output dim, ``RowLinear`` the input dim, once TP exists), plus the packed
 ``QKVLinear`` and ``MergedColumnLinear`` that load Hugging Face's separate
 ``q_proj/k_proj/v_proj`` and ``gate_proj/up_proj`` tensors into one matmul.
 
-Every parameter has ``weight_loader(param, loaded, shard_id)``; the model's
-``load_weights`` routes checkpoint tensors through it. With TP a loader will
-also narrow ``loaded`` to its rank's slice; nothing else needs to change.
+Every layer has ``weight_loader(param, loaded, shard_id)`` for its parameters;
+the model's ``load_weights`` routes checkpoint tensors through it (found via
+``get_weight_loader``). With TP a loader will also narrow ``loaded`` to its
+rank's slice; nothing else needs to change.
 Quantized weights and TP communication are not handled here.
 """
 
@@ -23,14 +24,17 @@ ShardId = str | int | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
 
 
-def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
-    """Attach ``loader`` to ``param`` (read back by ``get_weight_loader``)."""
-    param.weight_loader = loader  # type: ignore[attr-defined]
+def get_weight_loader(model: nn.Module, param_name: str) -> WeightLoader:
+    """The loader for ``model``'s parameter ``param_name``: its owning module's
+    ``weight_loader`` method, else a plain shape-checked copy.
 
-
-def get_weight_loader(param: nn.Parameter) -> WeightLoader:
-    """The loader attached to ``param``, else a plain shape-checked copy."""
-    loader: WeightLoader = getattr(param, "weight_loader", default_weight_loader)
+    Loaders are looked up through the module rather than stored on the
+    parameter, so no parameter -> bound method -> module -> parameter cycle
+    keeps device memory alive after the model is dropped.
+    """
+    module_name = param_name.rpartition(".")[0]
+    module = model.get_submodule(module_name) if module_name else model
+    loader: WeightLoader = getattr(module, "weight_loader", default_weight_loader)
     return loader
 
 
@@ -65,11 +69,9 @@ class Linear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.weight = _new_param(output_size, input_size)  # [output_size, input_size]
-        set_weight_loader(self.weight, self.weight_loader)
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = _new_param(output_size)  # [output_size]
-            set_weight_loader(self.bias, self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None

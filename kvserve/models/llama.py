@@ -223,7 +223,7 @@ class LlamaForCausalLM(CausalLM):
                 )
             param = params[param_name]
             try:
-                get_weight_loader(param)(param, tensor, shard_id)
+                get_weight_loader(self, param_name)(param, tensor, shard_id)
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor '{name}': {e}") from e
             loaded.update(hf_names)

@@ -1,8 +1,7 @@
-"""From a model argument to a ready ``nn.Module``: config, dtype, weights.
+"""From a ``ModelConfig`` to a ready ``nn.Module``: dtype and weights.
 
-Owns reading ``config.json`` (or a preset), choosing the dtype, building the
-model on its device in its dtype, and filling it either with seeded random
-weights (``load_format="dummy"``) or by streaming tensors from
+Owns choosing the dtype, building the model on its device in its dtype, and
+filling it either with seeded random weights (``load_format="dummy"``) or by streaming tensors from
 ``model.safetensors`` / the shards of ``model.safetensors.index.json``.
 It never downloads: a model is a preset name or a local directory.
 """
@@ -13,7 +12,6 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -21,7 +19,6 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.layers.norm import RMSNorm
-from kvserve.models.presets import PRESETS, get_preset, is_preset
 from kvserve.models.registry import CausalLM, get_model_class
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -37,31 +34,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-
-
-def resolve_model_config(model: str) -> tuple[ModelConfig, Path | None]:
-    """A preset name -> (its config, None); a local directory -> (its config.json, the path)."""
-    if is_preset(model):
-        return ModelConfig.from_hf_config(get_preset(model), source=f"preset '{model}'"), None
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ValueError(
-            f"model: '{path}' is not an existing directory nor a preset "
-            f"({', '.join(sorted(PRESETS))}); hub downloads are not supported, "
-            "pass a local checkpoint directory"
-        )
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(
-            f"model: {config_file} not found; a checkpoint directory needs config.json"
-        )
-    try:
-        hf_config: Any = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"model: {config_file} is not valid JSON ({e})") from e
-    if not isinstance(hf_config, dict):
-        raise ValueError(f"model: {config_file} must hold a JSON object")
-    return ModelConfig.from_hf_config(hf_config, source=str(config_file)), path
 
 
 def resolve_dtype(name: str, config: ModelConfig, device: torch.device | str) -> torch.dtype:

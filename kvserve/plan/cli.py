@@ -113,28 +113,12 @@ def add_plan_parser(subparsers: Any) -> None:
 
 
 def load_model(spec: str) -> ModelConfig:
-    """A preset name or a path (directory or config.json file) to a ModelConfig."""
-    # imported here: kvserve.models pulls in torch, which building the parser must not
-    from kvserve.models.presets import PRESETS, get_preset, is_preset
+    """A preset name or a checkpoint directory to a ModelConfig."""
+    # imported here so building the parser stays instant
+    from kvserve.models.source import resolve_model_config
 
-    if is_preset(spec):
-        hf_config: Any = get_preset(spec)
-        source = f"preset '{spec}'"
-    else:
-        path = Path(spec)
-        config_path = path / "config.json" if path.is_dir() else path
-        if not config_path.is_file():
-            raise PlanError("--model", f"'{spec}' is neither a preset ({', '.join(PRESETS)}) "
-                                       "nor a directory with a config.json")
-        try:
-            hf_config = json.loads(config_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise PlanError("--model", f"cannot read {config_path}: {e}") from e
-        if not isinstance(hf_config, dict):
-            raise PlanError("--model", f"{config_path}: expected a JSON object")
-        source = str(config_path)
     try:
-        return ModelConfig.from_hf_config(hf_config, source=source)
+        return resolve_model_config(spec)[0]
     except (ValueError, TypeError) as e:
         raise PlanError("--model", str(e)) from e
 

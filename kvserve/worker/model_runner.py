@@ -26,6 +26,7 @@ from kvserve.core.outputs import Logprobs, ModelRunnerOutput, NewRequestData, Sc
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.layers.attention import bind_kv_cache
 from kvserve.models.loader import load_model
+from kvserve.models.registry import CausalLM
 from kvserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 from kvserve.worker.kv_cache import allocate_kv_caches
 
@@ -70,7 +71,7 @@ class ModelRunner:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
-        model: torch.nn.Module,
+        model: CausalLM,
         device: torch.device,
         dtype: torch.dtype,
         attention_backend: str = "torch",

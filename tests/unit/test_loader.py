@@ -16,9 +16,10 @@ from safetensors.torch import load_file, save_file
 from kvserve.attention.backend import get_attention_backend
 from kvserve.config import ModelConfig
 from kvserve.layers.attention import bind_kv_cache
-from kvserve.models.loader import load_model, resolve_dtype, resolve_model_config
+from kvserve.models.loader import load_model, resolve_dtype
 from kvserve.models.presets import PRESETS
 from kvserve.models.registry import CausalLM
+from kvserve.models.source import resolve_model_config
 from tests.conftest import make_attention_metadata
 
 CPU = torch.device("cpu")

@@ -23,8 +23,9 @@ from kvserve.layers.attention import Attention, bind_kv_cache
 from kvserve.layers.linear import MergedColumnLinear, QKVLinear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import compute_inv_freq
-from kvserve.models.loader import load_model, resolve_model_config
+from kvserve.models.loader import load_model
 from kvserve.models.registry import CausalLM, get_model_class
+from kvserve.models.source import resolve_model_config
 from tests.conftest import TINY_VARIANTS, make_attention_metadata
 
 BLOCK_SIZE = 4

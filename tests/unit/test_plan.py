@@ -224,6 +224,15 @@ def test_module_runs_as_a_script() -> None:
     assert set(json.loads(result.stdout)) == PLAN_KEYS | {"inputs"}
 
 
+def test_mounting_the_command_imports_neither_torch_nor_matplotlib() -> None:
+    code = ("import sys, argparse, kvserve.plan.cli as c; "
+            "c.add_plan_parser(argparse.ArgumentParser().add_subparsers()); "
+            "print(sorted({'torch', 'matplotlib'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=120)
+    assert result.stdout.strip() == "[]"
+
+
 def test_add_plan_parser_mounts_the_subcommand() -> None:
     parser = argparse.ArgumentParser(prog="kvserve")
     add_plan_parser(parser.add_subparsers(dest="command"))
