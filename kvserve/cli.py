@@ -1,4 +1,4 @@
-"""The ``kvserve`` command: ``generate``, ``chat`` and ``plan``.
+"""The ``kvserve`` command: ``generate``, ``chat``, ``serve``, ``bench`` and ``plan``.
 
 Each subcommand adds its flags and sets ``func``; heavy imports (torch, the
 engine) happen inside the handlers so ``kvserve --help`` is instant.
@@ -124,8 +124,10 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvserve.bench import add_bench_parser
     from kvserve.engine.args import EngineArgs
     from kvserve.plan.cli import add_plan_parser
+    from kvserve.server.launcher import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
@@ -144,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=run_chat)
 
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     add_plan_parser(sub)
     return parser
 

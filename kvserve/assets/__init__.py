@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 MODELS_DIR = Path(__file__).parent / "models"
-DEFAULT_MODEL = "kvserve-code-default"
-DRAFT_MODEL = "kvserve-code-draft"
+DEFAULT_MODEL = "kvserve-code-14m"
+DRAFT_MODEL = "kvserve-code-draft-2m"
 LORA_ADAPTER = "kvserve-code-lora-tests"
 
 

@@ -6,7 +6,10 @@ an engine in its own process will implement the same interface.
 Validation happens in the caller, before anything is queued, so a bad
 request fails at once with a ValueError and never reaches the loop. A step
 that raises kills the loop: every in-flight request gets an
-``EngineDeadError`` and ``health()`` reports it.
+``EngineDeadError`` and ``health()`` reports it. With ``watchdog_s`` set, a
+watchdog thread does the same when one step runs longer than that (a hung
+forward): the stuck thread cannot be stopped, but every caller is released
+with an error and ``health()`` says the engine is dead.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped after an error; no request can proceed."""
+
+
+class EngineHungError(RuntimeError):
+    """One engine step ran longer than the watchdog allows."""
 
 
 @dataclass
@@ -64,9 +71,14 @@ _Sink = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseExce
 class ThreadedEngineClient:
     """Runs ``LLMEngine`` in a daemon thread; safe to call from one event loop."""
 
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+    def __init__(
+        self, engine: LLMEngine, idle_wait_s: float = 0.05, watchdog_s: float | None = None
+    ) -> None:
+        """``watchdog_s``: declare the engine dead when one step takes longer
+        (None: never)."""
         self.engine = engine
         self.idle_wait_s = idle_wait_s
+        self.watchdog_s = watchdog_s
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._stop = threading.Event()
@@ -74,6 +86,9 @@ class ThreadedEngineClient:
         self._last_progress_s = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
         self._thread.start()
+        if watchdog_s is not None:
+            threading.Thread(target=self._watch, name="kvserve-engine-watchdog",
+                             daemon=True).start()
 
     # ------------------------------------------------------------ caller side
 
@@ -90,9 +105,12 @@ class ThreadedEngineClient:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._sinks[request_id] = (loop, sink)
-        self._commands.put(("add", (prompt, params, request_id, priority)))
         finished = False
         try:
+            # checked again now that the sink is registered: a loop that dies
+            # from here on delivers the error to it
+            self._raise_if_dead()
+            self._commands.put(("add", (prompt, params, request_id, priority)))
             while True:
                 item = await sink.get()
                 if isinstance(item, BaseException):
@@ -136,15 +154,35 @@ class ThreadedEngineClient:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
+                    outputs = self.engine.step()
+                    if self._error is not None:  # the watchdog gave up on this step
+                        return
+                    for output in outputs:
                         self._deliver(output.request_id, output)
                 self._last_progress_s = time.monotonic()
         except BaseException as exc:
             logger.exception("engine loop died")
-            self._error = exc
-            dead = EngineDeadError(f"the engine loop stopped: {exc!r}")
-            for request_id in list(self._sinks):
-                self._deliver(request_id, dead)
+            self._fail(exc)
+
+    def _watch(self) -> None:
+        assert self.watchdog_s is not None
+        poll_s = min(1.0, self.watchdog_s / 4)
+        while not self._stop.wait(poll_s) and self._error is None:
+            stalled_s = time.monotonic() - self._last_progress_s
+            if stalled_s > self.watchdog_s:
+                logger.error("engine step has run for %.1f s (watchdog %.1f s): declaring "
+                             "the engine dead", stalled_s, self.watchdog_s)
+                self._fail(EngineHungError(
+                    f"an engine step ran longer than the {self.watchdog_s:g} s watchdog"))
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        """Mark the engine dead and release every waiting caller with an error."""
+        self._error = exc
+        self._stop.set()
+        dead = EngineDeadError(f"the engine loop stopped: {exc!r}")
+        for request_id in list(self._sinks):
+            self._deliver(request_id, dead)
 
     def _drain_commands(self, block: bool) -> None:
         try:

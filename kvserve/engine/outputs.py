@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.core.request import RequestTimes
+
 
 @dataclass
 class Logprob:
@@ -37,27 +39,10 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestMetrics:
-    """Per-request timings in seconds (``time.monotonic`` clock)."""
+class RequestMetrics(RequestTimes):
+    """Per-request timings (``time.monotonic`` seconds) and prefix-cache reuse."""
 
-    arrival_s: float
-    first_scheduled_s: float | None = None
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-    finished_s: float | None = None
     num_cached_tokens: int = 0
-
-    @property
-    def queue_s(self) -> float | None:
-        if self.first_scheduled_s is None:
-            return None
-        return self.first_scheduled_s - self.arrival_s
-
-    @property
-    def ttft_s(self) -> float | None:
-        if self.first_token_s is None:
-            return None
-        return self.first_token_s - self.arrival_s
 
 
 @dataclass

@@ -28,6 +28,23 @@ _LLAMA3_8B: dict[str, Any] = {
     "eos_token_id": 128001,
 }
 
+_LLAMA2_7B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "torch_dtype": "float16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": _LLAMA3_8B,
     "llama-3.1-8b": {
@@ -50,37 +67,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 64,
         "num_key_value_heads": 8,
     },
-    "llama-2-7b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "torch_dtype": "float16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
+    "llama-2-7b": _LLAMA2_7B,
     "llama-2-70b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 32000,
+        **_LLAMA2_7B,
         "hidden_size": 8192,
         "intermediate_size": 28672,
         "num_hidden_layers": 80,
         "num_attention_heads": 64,
         "num_key_value_heads": 8,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "torch_dtype": "float16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
     },
     "mistral-7b": {
         "architectures": ["MistralForCausalLM"],

@@ -27,7 +27,10 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("default_model")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     return out
@@ -44,8 +47,14 @@ def test_writes_the_three_directories_and_logs(run_dir: Path) -> None:
     assert dirs["draft"].name.startswith("kvserve-code-draft-")
     assert dirs["lora"].name == "kvserve-code-lora-tests"
     for key in ("target", "draft"):
-        for name in ("config.json", "model.safetensors", "generation_config.json",
-                     "tokenizer.json", "tokenizer_config.json", "README.md"):
+        for name in (
+            "config.json",
+            "model.safetensors",
+            "generation_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "README.md",
+        ):
             assert (dirs[key] / name).is_file(), f"{key}: {name} missing"
     for name in ("corpus.json", "metrics.json", "train_log.json"):
         assert (run_dir / name).is_file()
@@ -71,7 +80,8 @@ def test_models_load_in_transformers_and_generate(run_dir: Path) -> None:
     assert tokenizer.decode(ids, skip_special_tokens=True) == "def f(x):\n    return x\n"
     chat = tokenizer.apply_chat_template(
         [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
-        add_generation_prompt=True, tokenize=False,
+        add_generation_prompt=True,
+        tokenize=False,
     )
     assert chat == "<|bos|><|system|>\nS<|end|>\n<|user|>\nU<|end|>\n<|assistant|>\n"
     for key in ("target", "draft"):
@@ -85,7 +95,8 @@ def test_models_load_in_transformers_and_generate(run_dir: Path) -> None:
         out = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)
         assert out.shape == (1, len(ids) + 4)
         assert (dirs[key] / "tokenizer.json").read_text() == (
-            dirs["target"] / "tokenizer.json").read_text()
+            dirs["target"] / "tokenizer.json"
+        ).read_text()
 
 
 def test_lora_adapter_is_in_peft_layout(run_dir: Path) -> None:
@@ -97,14 +108,18 @@ def test_lora_adapter_is_in_peft_layout(run_dir: Path) -> None:
     assert config["base_model_name_or_path"] == dirs["target"].name
     base = json.loads((dirs["target"] / "config.json").read_text())
     hidden, head_dim = base["hidden_size"], base["head_dim"]
-    out_features = {"q_proj": base["num_attention_heads"] * head_dim,
-                    "k_proj": base["num_key_value_heads"] * head_dim,
-                    "v_proj": base["num_key_value_heads"] * head_dim, "o_proj": hidden}
+    out_features = {
+        "q_proj": base["num_attention_heads"] * head_dim,
+        "k_proj": base["num_key_value_heads"] * head_dim,
+        "v_proj": base["num_key_value_heads"] * head_dim,
+        "o_proj": hidden,
+    }
     with safe_open(str(dirs["lora"] / "adapter_model.safetensors"), "pt") as f:
         keys = set(f.keys())
         expected = {
             f"base_model.model.model.layers.{i}.self_attn.{m}.lora_{ab}.weight"
-            for i in range(base["num_hidden_layers"]) for m in config["target_modules"]
+            for i in range(base["num_hidden_layers"])
+            for m in config["target_modules"]
             for ab in "AB"
         }
         assert keys == expected

@@ -1,0 +1,139 @@
+"""``kvserve serve``: flags, start-up, signals and the exit status.
+
+The port is bound before the weights load (probes get 503 "loading" rather
+than a refused connection); a bad ``--model`` still fails at once, because
+the engine configuration is resolved before uvicorn starts. SIGTERM (or
+Ctrl-C) drains: ``/ready`` and new requests get 503 while in-flight requests
+run for up to ``--shutdown-timeout`` seconds; the rest are aborted with
+``finish_reason: "abort"``, then the process exits 0. A second signal exits
+at once. When the engine dies (a forward raised, or one ran past
+``--engine-watchdog-s``) the process exits 1, without waiting for a hung
+engine thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from kvserve import envs
+
+logger = logging.getLogger("kvserve.server")
+
+DEFAULT_PORT = 8000
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_N = 128
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
+DEFAULT_ENGINE_WATCHDOG_S = 300.0
+DEFAULT_HEALTH_STALL_S = 30.0
+
+
+def add_serve_parser(sub: Any) -> None:
+    """Mount ``serve`` on the ``kvserve`` subcommand parser."""
+    from kvserve.engine.args import EngineArgs
+
+    parser = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server",
+        description="Serve a model over the OpenAI API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models) plus /health, /ready, /metrics, "
+                    "/tokenize, /detokenize and /version.")
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    group.add_argument("--port", type=int, default=DEFAULT_PORT)
+    group.add_argument("--api-key", nargs="+", action="extend", default=None,
+                       help="accepted API key(s); default $KVSERVE_API_KEY (comma-separated)."
+                            " Only /health, /ready and /metrics stay open")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="name(s) clients use for the model (the first is reported)")
+    group.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                       help="sequences allowed to wait beyond --max-num-seqs; above it, 503")
+    group.add_argument("--max-request-body-bytes", type=int,
+                       default=DEFAULT_MAX_REQUEST_BODY_BYTES, help="larger bodies get 413")
+    group.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="the cap on n")
+    group.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                       help="seconds to drain on SIGTERM before aborting what is left")
+    group.add_argument("--engine-watchdog-s", type=float, default=DEFAULT_ENGINE_WATCHDOG_S,
+                       help="a step running longer kills the server (exit 1); 0 = off")
+    group.add_argument("--health-stall-s", type=float, default=DEFAULT_HEALTH_STALL_S,
+                       help="/health and /ready turn 503 when the engine loop has not "
+                            "progressed for this long")
+    group.add_argument("--timeout-keep-alive", type=float, default=5.0)
+    group.add_argument("--uvicorn-log-level", default="info")
+    group.add_argument("--disable-access-log", action="store_true")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=run_serve)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    positive = {"--max-request-body-bytes": args.max_request_body_bytes,
+                "--max-n": args.max_n, "--health-stall-s": args.health_stall_s}
+    for flag, value in positive.items():
+        if not value > 0:
+            raise ValueError(f"{flag}={value} is invalid: must be > 0")
+    non_negative = {"--max-queued-requests": args.max_queued_requests,
+                    "--shutdown-timeout": args.shutdown_timeout,
+                    "--engine-watchdog-s": args.engine_watchdog_s}
+    for flag, value in non_negative.items():
+        if not value >= 0:
+            raise ValueError(f"{flag}={value} is invalid: must be >= 0")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port={args.port} is invalid: must be in [0, 65535]")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server until it is told to stop; the process exit status."""
+    import uvicorn
+
+    from kvserve.assets import DEFAULT_MODEL
+    from kvserve.engine.args import EngineArgs
+    from kvserve.server.api import build_app
+    from kvserve.server.state import DrainingServer, ServerConfig, ServerState
+
+    _check_args(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_config = engine_args.create_engine_config()  # a bad --model fails here, exit 2
+    faults = envs.fault_injection()
+    watchdog_s = args.engine_watchdog_s or None
+    config = ServerConfig(
+        served_model_names=args.served_model_name or [args.model or DEFAULT_MODEL],
+        api_keys=args.api_key or envs.kvserve_api_keys(),
+        max_num_seqs=engine_config.scheduler_config.max_num_seqs,
+        max_queued_requests=args.max_queued_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_n=args.max_n, health_stall_s=args.health_stall_s,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+
+    def load() -> Any:
+        from kvserve.engine.client import ThreadedEngineClient
+        from kvserve.engine.llm_engine import LLMEngine
+        from kvserve.server.faults import inject_faults
+
+        engine = LLMEngine.from_engine_args(engine_args)
+        inject_faults(engine.core.executor, faults)
+        return engine, ThreadedEngineClient(engine, watchdog_s=watchdog_s)
+
+    logging.getLogger("kvserve").setLevel(
+        min(logging.getLogger("kvserve").getEffectiveLevel(), logging.INFO))
+    state = ServerState(config, loader=load)
+    server = DrainingServer(uvicorn.Config(
+        build_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=not args.disable_access_log, timeout_keep_alive=int(args.timeout_keep_alive),
+        timeout_graceful_shutdown=5, lifespan="on",
+    ), state)
+    state.request_exit = server.request_exit
+    logger.info("kvserve serve: %s on http://%s:%d (model %s)", config.model_name, args.host,
+                args.port, engine_config.model)
+    server.run()
+    if state.exit_code:
+        # the engine thread may be stuck in a forward that never returns
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(state.exit_code)
+    return 0

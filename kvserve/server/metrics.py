@@ -1,0 +1,181 @@
+"""Prometheus metrics of the server: ``kvserve:`` names, label ``model_name``.
+
+Two sources feed one registry (per server, so tests can build many):
+
+- engine state, read from ``EngineClient.stats()`` at scrape time by
+  ``EngineStatsCollector`` (running / waiting requests, KV usage, prefix-cache
+  queries and hits, preemptions);
+- per-request timings and counts, observed by the HTTP layer as outputs
+  arrive (``RequestTimer``): TTFT, inter-token latency, end-to-end latency,
+  queue time, prompt and generation tokens, finished requests by reason,
+  admission rejections by reason.
+
+Bucket boundaries live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvserve.engine.outputs import RequestOutput
+
+PREFIX = "kvserve:"
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECTION_REASONS = ("queue_full", "draining", "loading", "engine_dead")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+StatsSource = Callable[[], dict[str, Any] | None]
+
+
+class EngineStatsCollector(Collector):
+    """Engine gauges and counters, read fresh from the engine at each scrape."""
+
+    def __init__(self, model_name: str, stats: StatsSource) -> None:
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats() or {}
+        gauges = (
+            ("num_requests_running", "Requests in the running batch.", "num_requests_running"),
+            ("num_requests_waiting", "Requests waiting to be scheduled.",
+             "num_requests_waiting"),
+            ("kv_cache_usage_perc", "Share of KV-cache blocks held by requests (0..1).",
+             "kv_cache_usage"),
+        )
+        for name, doc, key in gauges:
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield gauge
+        counters = (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             "prefix_cache_queries"),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             "prefix_cache_hits"),
+            ("num_preemptions", "Requests preempted for lack of KV blocks.", "num_preemptions"),
+        )
+        for name, doc, key in counters:
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield counter
+
+
+class ServerMetrics:
+    """The registry and the request-level metrics of one server."""
+
+    def __init__(self, model_name: str, stats: StatsSource) -> None:
+        disable_created_metrics()
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineStatsCollector(model_name, stats))
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.request_success = counter(
+            "request_success", "Finished completions (one per choice) by finish reason.",
+            ("finished_reason",))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.admission_rejections = counter(
+            "admission_rejections", "Requests refused with 503 before admission, by reason.",
+            ("reason",))
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Arrival to first generated token.", TTFT_BUCKETS_S)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Time between two engine outputs of a request.", ITL_BUCKETS_S)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Arrival to the last output of a request.", REQUEST_BUCKETS_S)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Arrival in the engine to first scheduling.",
+                                    REQUEST_BUCKETS_S)
+        # every series exists (at 0) from the first scrape
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+        for reason in REJECTION_REASONS:
+            self.admission_rejections.labels(model_name, reason)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
+                       self.e2e, self.queue_time):
+            metric.labels(model_name)
+
+    def reject(self, reason: str) -> None:
+        self.admission_rejections.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self, num_choices: int) -> RequestTimer:
+        return RequestTimer(self, num_choices)
+
+
+class RequestTimer:
+    """Observes one HTTP request (possibly several prompts) as its outputs arrive."""
+
+    def __init__(self, metrics: ServerMetrics, num_choices: int) -> None:
+        self.metrics = metrics
+        self.name = metrics.model_name
+        self.start_s = time.monotonic()
+        self.num_choices = num_choices
+        self._num_counted = 0
+        self._last_s: dict[str, float] = {}
+
+    def observe(self, output: RequestOutput) -> None:
+        """Call once per ``RequestOutput`` received."""
+        now = time.monotonic()
+        num_new = sum(len(c.delta_token_ids) for c in output.outputs)
+        if num_new:
+            self.metrics.generation_tokens.labels(self.name).inc(num_new)
+            last_s = self._last_s.get(output.request_id)
+            if last_s is None:
+                self.metrics.ttft.labels(self.name).observe(now - self.start_s)
+            else:
+                self.metrics.itl.labels(self.name).observe(now - last_s)
+            self._last_s[output.request_id] = now
+        if output.finished:
+            self._finish(output, now)
+
+    def _finish(self, output: RequestOutput, now: float) -> None:
+        self.metrics.e2e.labels(self.name).observe(now - self.start_s)
+        queue_s = output.metrics.queue_s
+        if queue_s is not None:
+            self.metrics.queue_time.labels(self.name).observe(max(queue_s, 0.0))
+        self.metrics.prompt_tokens.labels(self.name).inc(len(output.prompt_token_ids))
+        for completion in output.outputs:
+            self._count(completion.finish_reason or "abort", 1)
+
+    def _count(self, reason: str, num: int) -> None:
+        num = min(num, self.num_choices - self._num_counted)
+        if num > 0:
+            self.metrics.request_success.labels(self.name, reason).inc(num)
+            self._num_counted += num
+
+    def close(self, reason: str | None) -> None:
+        """Count the choices that did not finish normally (client gone: "abort",
+        engine failure: "error"; None: a rejected request, not counted); later
+        calls count nothing."""
+        if reason is None:
+            self._num_counted = self.num_choices
+        else:
+            self._count(reason, self.num_choices - self._num_counted)

@@ -1,0 +1,557 @@
+"""OpenAI completions and chat completions on top of an ``EngineClient``.
+
+One HTTP request goes through these stages, and everything that can be
+known before the first byte is a real HTTP status:
+
+1. parse and check the body (400), the model name (404), availability (503);
+2. tokenize (a character pre-check first, so a huge string is refused
+   before the tokenizer sees it) and resolve ``max_tokens`` against the
+   context (400 naming the field);
+3. admission (503 + ``Retry-After`` when the bound is reached);
+4. generate: one engine request per prompt, their outputs merged. A
+   streaming response is "primed": its first output is awaited before the
+   headers go out, so an error raised while queueing is still a 4xx/5xx;
+5. while waiting, a watcher listens for the client's disconnect; when it
+   comes (queued or running, streaming or not) the engine requests are
+   aborted at once and their KV blocks freed.
+
+Streams are ``data: <json>\\n\\n`` frames ending with ``data: [DONE]\\n\\n``,
+also after an error sent as a ``data: {"error": {...}}`` frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.engine.client import EngineDeadError
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.server.metrics import RequestTimer
+from kvserve.server.protocol import (
+    INTERNAL_ERROR_MESSAGE,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
+from kvserve.server.state import ServerState, Ticket
+
+logger = logging.getLogger(__name__)
+
+# a prompt longer than max_model_len x this many characters is refused untokenized
+MAX_CHARS_PER_TOKEN = 64
+DONE_FRAME = "data: [DONE]\n\n"
+_FIELD_RE = re.compile(r"^([A-Za-z_]+)")
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away while its request was being served."""
+
+
+async def read_body(request: Request, limit_bytes: int) -> bytes:
+    """The request body, refusing non-JSON content types (400) and bodies above
+    ``limit_bytes`` (413, checked on Content-Length and again while reading)."""
+    content_type = request.headers.get("content-type", "application/json")
+    if not content_type.lower().startswith("application/json"):
+        raise APIError(400, f"Content-Type '{content_type}' is not supported: send "
+                       "'application/json'", "body")
+    too_large = APIError(413, f"the request body exceeds the server's limit of {limit_bytes} "
+                         "bytes (--max-request-body-bytes)", "body", {"Connection": "close"})
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` unless the client disconnects first (then it is
+    cancelled and ``ClientDisconnected`` raised). Call after the body is read."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise ClientDisconnected
+    return work.result()
+
+
+_END = object()
+
+
+class OutputMerger:
+    """Merges the output streams of a request's prompts into one, tagged by
+    prompt index. ``close()`` cancels the streams, which aborts their requests."""
+
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]]) -> None:
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._open = len(streams)
+        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                self._queue.put_nowait((index, output))
+        except Exception as exc:
+            self._queue.put_nowait(exc)
+        finally:
+            self._queue.put_nowait(_END)
+
+    async def next(self) -> tuple[int, RequestOutput] | None:
+        """The next output of any prompt; None when all have finished."""
+        while self._open:
+            item = await self._queue.get()
+            if item is _END:
+                self._open -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                return item
+        return None
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response that always runs ``cleanup`` at the end,
+    even when the client left before the body started."""
+
+    def __init__(self, content: AsyncGenerator[str, None],
+                 cleanup: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._generator = content
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._generator.aclose()
+            await self._cleanup()
+
+
+@dataclass
+class PromptInput:
+    token_ids: list[int]
+    text: str | None = None  # for echo
+
+
+@dataclass
+class Job:
+    """One validated generation request (possibly several prompts, n each)."""
+
+    chat: bool
+    request_id: str
+    model: str
+    prompts: list[PromptInput]
+    params: list[SamplingParams]
+    n: int
+    body: SamplingRequest
+    timer: RequestTimer
+    echo: bool = False
+    # top logprobs per token (0 = only the sampled one); None = no logprobs
+    top_logprobs: int | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def engine_request_ids(self) -> list[str]:
+        return [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
+
+    def choice_index(self, prompt_index: int, sample_index: int) -> int:
+        return prompt_index * self.n + sample_index
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        payload: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created, "model": self.model, "choices": choices,
+        }
+        if usage is not None:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def usage_dict(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def completion_logprobs(completion: CompletionOutput, start: int,
+                        text_offset: int) -> dict[str, Any]:
+    """The completions-API logprobs of tokens ``start:`` of a completion."""
+    result: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                    "text_offset": []}
+    entries = completion.logprobs or []
+    for token_id, entry in zip(completion.token_ids[start:], entries[start:]):
+        sampled = entry.get(token_id)
+        text = (sampled.decoded_token if sampled else None) or ""
+        result["tokens"].append(text)
+        result["token_logprobs"].append(sampled.logprob if sampled else None)
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank)
+        result["top_logprobs"].append({(lp.decoded_token or ""): lp.logprob for lp in ranked})
+        result["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return result
+
+
+def _chat_token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(completion: CompletionOutput, start: int, top: int) -> dict[str, Any]:
+    """The chat-API logprobs (``{"content": [...]}``) of tokens ``start:``."""
+    content = []
+    entries = completion.logprobs or []
+    for token_id, entry in zip(completion.token_ids[start:], entries[start:]):
+        sampled = entry.get(token_id)
+        item = _chat_token((sampled.decoded_token if sampled else None) or "",
+                           sampled.logprob if sampled else float("-inf"))
+        ranked = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
+        item["top_logprobs"] = [_chat_token(lp.decoded_token or "", lp.logprob)
+                                for lp in ranked[:top]]
+        content.append(item)
+    return {"content": content}
+
+
+def final_response(job: Job, outputs: dict[int, RequestOutput]) -> dict[str, Any]:
+    """The non-streaming response body."""
+    choices: list[dict[str, Any]] = []
+    for prompt_index, output in sorted(outputs.items()):
+        prompt = job.prompts[prompt_index]
+        for completion in output.outputs:
+            choice: dict[str, Any] = {"index": job.choice_index(prompt_index, completion.index)}
+            logprobs = None
+            if job.chat:
+                choice["message"] = {"role": "assistant", "content": completion.text}
+                if job.top_logprobs is not None:
+                    logprobs = chat_logprobs(completion, 0, job.top_logprobs)
+            else:
+                echo = (prompt.text or "") if job.echo else ""
+                choice["text"] = echo + completion.text
+                if job.top_logprobs is not None:
+                    logprobs = completion_logprobs(completion, 0, len(echo))
+            choice.update(logprobs=logprobs, finish_reason=completion.finish_reason,
+                          stop_reason=completion.stop_reason)
+            choices.append(choice)
+    choices.sort(key=lambda c: c["index"])
+    num_generated = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
+    return {
+        "id": job.request_id, "object": "chat.completion" if job.chat else "text_completion",
+        "created": job.created, "model": job.model, "choices": choices,
+        "usage": usage_dict(sum(len(p.token_ids) for p in job.prompts), num_generated),
+    }
+
+
+@dataclass
+class _ChoiceState:
+    num_tokens: int = 0
+    num_sent_logprobs: int = 0
+    text_offset: int = 0
+    finished: bool = False
+
+
+class StreamWriter:
+    """Turns engine outputs into SSE frames, one choice per chunk."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.choices = [_ChoiceState() for _ in range(job.num_choices)]
+
+    def usage(self) -> dict[str, int]:
+        return usage_dict(sum(len(p.token_ids) for p in self.job.prompts),
+                          sum(c.num_tokens for c in self.choices))
+
+    def opening(self) -> list[str]:
+        """Chat: one ``delta.role`` chunk per choice; completions with echo: the prompt."""
+        job, frames = self.job, []
+        for index in range(job.num_choices):
+            if job.chat:
+                choice = {"index": index, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}
+            elif job.echo:
+                text = job.prompts[index // job.n].text or ""
+                self.choices[index].text_offset = len(text)
+                choice = {"index": index, "text": text, "logprobs": None,
+                          "finish_reason": None}
+            else:
+                continue
+            frames.append(job.chunk([choice], self._continuous_usage()))
+        return frames
+
+    def _continuous_usage(self) -> dict[str, int] | None:
+        return self.usage() if self.job.body.continuous_usage else None
+
+    def frames(self, prompt_index: int, output: RequestOutput) -> list[str]:
+        frames = []
+        for completion in output.outputs:
+            index = self.job.choice_index(prompt_index, completion.index)
+            state = self.choices[index]
+            if state.finished:
+                continue
+            state.num_tokens = len(completion.token_ids)
+            finishing = completion.finish_reason is not None
+            wants_logprobs = (self.job.top_logprobs is not None
+                              and state.num_tokens > state.num_sent_logprobs)
+            if not (completion.delta_text or finishing or wants_logprobs):
+                continue
+            choice = self._choice(index, completion, state)
+            state.finished = finishing
+            frames.append(self.job.chunk([choice], self._continuous_usage()))
+        return frames
+
+    def _choice(self, index: int, completion: CompletionOutput,
+                state: _ChoiceState) -> dict[str, Any]:
+        job, text = self.job, completion.delta_text
+        logprobs = None
+        if job.top_logprobs is not None:
+            logprobs = (chat_logprobs(completion, state.num_sent_logprobs, job.top_logprobs)
+                        if job.chat else
+                        completion_logprobs(completion, state.num_sent_logprobs,
+                                            state.text_offset))
+            state.num_sent_logprobs = state.num_tokens
+        state.text_offset += len(text)
+        choice: dict[str, Any] = {"index": index}
+        if job.chat:
+            choice["delta"] = {"content": text} if text else {}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=logprobs, finish_reason=completion.finish_reason)
+        if completion.finish_reason is not None:
+            choice["stop_reason"] = completion.stop_reason
+        return choice
+
+
+def _error_param(exc: ValueError, body: SamplingRequest, prompt_param: str) -> str | None:
+    """The request field a ValueError from the engine or ``SamplingParams`` names."""
+    match = _FIELD_RE.match(str(exc))
+    name = match.group(1) if match else None
+    if name == "prompt":
+        return prompt_param
+    if name == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    return name if name in type(body).model_fields else None
+
+
+class OpenAIServing:
+    """The completions and chat-completions routes."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def check_model(self, model: str | None) -> str:
+        """The served name to report; 404 (``param: "model"``) for an unknown one."""
+        names = self.state.config.served_model_names
+        if model is None or model in names:
+            return names[0] if model is None else model
+        raise APIError(404, f"The model `{model}` does not exist. Served: "
+                       f"{', '.join(names)}.", "model")
+
+    async def completions(self, request: Request) -> Response:
+        body = CompletionRequest.parse(
+            await read_body(request, self.state.config.max_request_body_bytes))
+        body.check()
+        model = self.check_model(body.model)
+        engine = self.state.require_engine()
+        prompts = [self._completion_prompt(engine, body, prompt) for prompt in body.prompt]
+        job = self._job(engine, body, prompts, model, chat=False, top_logprobs=body.logprobs)
+        job.echo = body.echo
+        return await self._serve(request, job)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = ChatCompletionRequest.parse(
+            await read_body(request, self.state.config.max_request_body_bytes))
+        body.check()
+        model = self.check_model(body.model)
+        engine = self.state.require_engine()
+        prompt = self._chat_prompt(engine, body)
+        job = self._job(engine, body, [prompt], model, chat=True,
+                        top_logprobs=body.num_top_logprobs)
+        return await self._serve(request, job)
+
+    # ------------------------------------------------------------ preparing
+
+    def _check_chars(self, engine: LLMEngine, text_len: int, param: str) -> None:
+        limit = engine.max_model_len * MAX_CHARS_PER_TOKEN
+        if text_len > limit:
+            raise APIError(400, f"{param}: {text_len} characters cannot fit the model's "
+                           f"context of {engine.max_model_len} tokens", param)
+
+    def _completion_prompt(self, engine: LLMEngine, body: CompletionRequest,
+                           prompt: str | list[int]) -> PromptInput:
+        if isinstance(prompt, str):
+            self._check_chars(engine, len(prompt), "prompt")
+        try:
+            text, token_ids = engine.tokenize_prompt(prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt") from None
+        if body.echo and text is None:
+            text = engine.tokenizer.decode(token_ids)
+        return PromptInput(token_ids, text)
+
+    def _chat_prompt(self, engine: LLMEngine, body: ChatCompletionRequest) -> PromptInput:
+        self._check_chars(engine, sum(len(m.content or "") for m in body.messages), "messages")
+        messages = [m.to_template() for m in body.messages]
+        try:
+            token_ids = engine.tokenizer.apply_chat_template(
+                messages, body.add_generation_prompt, body.chat_template_kwargs)
+        except Exception as exc:
+            raise APIError(400, f"the chat template could not render these messages: "
+                           f"{str(exc)[:200]}", "messages") from None
+        return PromptInput(token_ids)
+
+    def _sampling_params(self, body: SamplingRequest, top_logprobs: int | None,
+                         prompt_param: str) -> SamplingParams:
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                n=body.n, temperature=pick(body.temperature, 1.0), top_p=pick(body.top_p, 1.0),
+                top_k=pick(body.top_k, 0), min_p=pick(body.min_p, 0.0),
+                presence_penalty=pick(body.presence_penalty, 0.0),
+                frequency_penalty=pick(body.frequency_penalty, 0.0),
+                repetition_penalty=pick(body.repetition_penalty, 1.0), seed=body.seed,
+                stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                max_tokens=body.requested_max_tokens(), min_tokens=body.min_tokens,
+                logprobs=top_logprobs, skip_special_tokens=body.skip_special_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), _error_param(exc, body, prompt_param)) from None
+
+    def _job(self, engine: LLMEngine, body: SamplingRequest, prompts: list[PromptInput],
+             model: str, chat: bool, top_logprobs: int | None) -> Job:
+        max_n = self.state.config.max_n
+        if body.n > max_n:
+            raise APIError(400, f"n={body.n} is invalid: must be <= {max_n} on this server", "n")
+        prompt_param = "messages" if chat else "prompt"
+        base = self._sampling_params(body, top_logprobs, prompt_param)
+        params = []
+        for prompt in prompts:
+            try:
+                params.append(engine.resolve_params(len(prompt.token_ids), base))
+            except ValueError as exc:
+                raise APIError(400, str(exc), _error_param(exc, body, prompt_param)) from None
+        prefix = "chatcmpl" if chat else "cmpl"
+        return Job(chat=chat, request_id=f"{prefix}-{uuid.uuid4().hex}", model=model,
+                   prompts=prompts, params=params, n=body.n, body=body,
+                   timer=self.state.metrics.timer(len(prompts) * body.n),
+                   top_logprobs=top_logprobs)
+
+    # ------------------------------------------------------------ serving
+
+    async def _serve(self, request: Request, job: Job) -> Response:
+        ticket = Ticket(job.request_id, job.num_choices, job.engine_request_ids)
+        self.state.admit(ticket)
+        client = self.state.client
+        assert client is not None
+        merger = OutputMerger([
+            client.generate(prompt.token_ids, params, request_id=request_id,
+                            priority=job.body.priority)
+            for prompt, params, request_id in zip(job.prompts, job.params,
+                                                  job.engine_request_ids)
+        ])
+
+        async def cleanup() -> None:
+            await merger.close()
+            self.state.admission.release(ticket)
+            job.timer.close("abort")
+
+        handed_off = False
+        try:
+            if not job.body.stream:
+                outputs = await unless_disconnected(request, self._collect(job, merger))
+                return JSONResponse(final_response(job, outputs))
+            first = await unless_disconnected(request, merger.next())
+            response = SSEResponse(self._stream(job, merger, first), cleanup)
+            handed_off = True
+            return response
+        except ClientDisconnected:
+            logger.info("%s: the client disconnected; request aborted", job.request_id)
+            return Response(status_code=499)
+        except Exception as exc:
+            error = self._api_error(exc, job)
+            job.timer.close("error" if error.status >= 500 else None)
+            raise error from None
+        finally:
+            if not handed_off:
+                await cleanup()
+
+    async def _collect(self, job: Job, merger: OutputMerger) -> dict[int, RequestOutput]:
+        outputs: dict[int, RequestOutput] = {}
+        while (item := await merger.next()) is not None:
+            index, output = item
+            job.timer.observe(output)
+            outputs[index] = output
+        return outputs
+
+    async def _stream(self, job: Job, merger: OutputMerger,
+                      first: tuple[int, RequestOutput] | None) -> AsyncGenerator[str, None]:
+        writer = StreamWriter(job)
+        try:
+            for frame in writer.opening():
+                yield frame
+            item = first
+            while item is not None:
+                index, output = item
+                job.timer.observe(output)
+                for frame in writer.frames(index, output):
+                    yield frame
+                item = await merger.next()
+            if job.body.include_usage:
+                yield job.chunk([], writer.usage())
+        except Exception as exc:
+            error = self._api_error(exc, job)
+            job.timer.close("error" if error.status >= 500 else None)
+            yield f"data: {json.dumps(error.body())}\n\n"
+        yield DONE_FRAME
+
+    def _api_error(self, exc: Exception, job: Job) -> APIError:
+        """An exception raised while serving, as the error to send."""
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, ValueError):
+            return APIError(400, str(exc), _error_param(exc, job.body,
+                                                        "messages" if job.chat else "prompt"))
+        if isinstance(exc, EngineDeadError):
+            logger.error("%s failed: %s", job.request_id, exc)
+        else:
+            logger.exception("%s failed", job.request_id)
+        return APIError(500, INTERNAL_ERROR_MESSAGE)

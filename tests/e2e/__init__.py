@@ -1,0 +1,1 @@
+"""End-to-end tests: a real ``kvserve serve`` subprocess driven over HTTP."""
