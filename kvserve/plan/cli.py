@@ -18,6 +18,7 @@ from typing import Any
 
 from kvserve.config import ModelConfig
 from kvserve.plan.gpus import GPUS, GpuSpec, get_gpu
+from kvserve.plan.measure import Measurement, check_measurable, measure
 from kvserve.plan.planner import (
     DEFAULT_MEMORY_UTILIZATION,
     KV_DTYPE_BYTES,
@@ -123,17 +124,6 @@ def load_model(spec: str) -> ModelConfig:
         raise PlanError("--model", str(e)) from e
 
 
-def _measure_error() -> str:
-    """--measure is pending on the engine; say why it cannot run here."""
-    try:
-        import torch
-    except ImportError:
-        return "--measure: measurement needs a CUDA GPU; none found"
-    if not torch.cuda.is_available():
-        return "--measure: measurement needs a CUDA GPU; none found"
-    return "--measure: measurement is not yet available in this build (it needs the engine)"
-
-
 def _echo_inputs(args: argparse.Namespace, gpu: GpuSpec, hardware: Hardware,
                  inputs: PlanInputs) -> dict[str, Any]:
     return {
@@ -172,7 +162,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         model, gpu, hardware, inputs = _build(args)
         if args.measure:
-            raise PlanError("--measure", _measure_error().removeprefix("--measure: "))
+            check_measurable(inputs)
         if args.plot:
             require_matplotlib()
             if not Path(args.plot).resolve().parent.is_dir():
@@ -181,11 +171,16 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"kvserve plan: error: {e}", file=sys.stderr)
         return 2
     plan = compute_plan(model, hardware, inputs)
+    measured = measure(args.model, inputs, plan) if args.measure else None
     if args.json:
         out = {**plan.to_dict(), "inputs": _echo_inputs(args, gpu, hardware, inputs)}
+        if measured is not None:
+            out["measured"] = measured.to_dict()
         print(json.dumps(out, indent=2))
     else:
         print(format_table(plan, model, gpu, hardware, inputs, args.model))
+        if measured is not None:
+            print(format_measurement(plan, measured))
     if args.plot:
         title = f"{args.model} on {gpu.name} (tp {inputs.tp}), weights {inputs.weights}"
         write_plot(args.plot, model, hardware, inputs, title)
@@ -271,3 +266,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     configure_parser(parser)
     return run_plan(parser.parse_args(argv))
+
+
+def format_measurement(plan: Plan, measured: Measurement) -> str:
+    """Predicted beside measured, with MBU and MFU of the measured run."""
+    rows = [
+        ("decode ms / step", f"{plan.decode_ms_per_step:.2f}",
+         f"{measured.decode_ms_per_step:.2f}"),
+        ("decode tokens/s (all requests)", f"{plan.decode_tokens_per_s:.1f}",
+         f"{measured.decode_tokens_per_s:.1f}"),
+        ("prefill ms", f"{plan.prefill_ms:.2f}", f"{measured.prefill_ms:.2f}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"\nmeasured on {measured.card} (copy {measured.copy_gb_s:.0f} GB/s, "
+             f"bf16 matmul {measured.matmul_tflop_s:.0f} TFLOP/s)",
+             f"{'':<{width}}  {'predicted':>12}  {'measured':>12}  {'measured/predicted':>18}"]
+    for name, predicted, got in rows:
+        ratio = float(got) / float(predicted) if float(predicted) else float("nan")
+        lines.append(f"{name:<{width}}  {predicted:>12}  {got:>12}  {ratio:>17.2f}x")
+    lines.append(f"MBU {100 * measured.mbu:.1f}% of copy, MFU decode "
+                 f"{100 * measured.mfu_decode:.2f}%, MFU prefill {100 * measured.mfu_prefill:.1f}%")
+    return "\n".join(lines)
