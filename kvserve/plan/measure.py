@@ -90,7 +90,7 @@ def measure(model: str, inputs: PlanInputs, plan: Plan) -> Measurement:
     check_measurable(inputs)
     copy_gb_s, tflop_s = _copy_gb_s(), _matmul_tflop_s()
     torch.cuda.empty_cache()
-    max_len = max(inputs.context, inputs.prompt) + DECODE_STEPS + 8
+    max_len = max(inputs.context, inputs.prompt) + 2 * DECODE_STEPS + 8
     llm = LLM(model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_len,
               max_num_seqs=inputs.batch, enable_prefix_caching=False,
               max_num_batched_tokens=max(inputs.prompt, inputs.batch, 2048))

@@ -217,6 +217,6 @@ def test_sigterm_drains_then_aborts(start_server: StartServer) -> None:
     refused, ready, short, long = asyncio.run(asyncio.wait_for(main(), 30))
     assert refused.status_code == 503 and "retry-after" in refused.headers
     assert ready.status_code == 503
-    assert short == "length"
+    assert short == "length", server.log()[-3000:]
     assert long == "abort"
     assert server.wait_exit(15) == 0, server.log()[-3000:]
