@@ -59,3 +59,12 @@ class RequestOutput:
     @property
     def num_cached_tokens(self) -> int:
         return self.metrics.num_cached_tokens
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (longest sample)."""
+        num_tokens = max((len(c.token_ids) for c in self.outputs), default=0)
+        first, last = self.metrics.first_token_s, self.metrics.last_token_s
+        if num_tokens < 2 or first is None or last is None:
+            return None
+        return (last - first) / (num_tokens - 1)
