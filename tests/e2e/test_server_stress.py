@@ -55,6 +55,17 @@ def wait_idle(server: ServerProcess, timeout_s: float = 10.0) -> None:
     pytest.fail(f"the engine did not go idle: {dict(zip(names, values))}")
 
 
+def wait_aborted(server: ServerProcess, expected: float, timeout_s: float = 5.0) -> None:
+    """Wait until ``request_success_total{finished_reason="abort"}`` reaches ``expected``."""
+    deadline = time.monotonic() + timeout_s
+    while (value := server.metric("kvserve:request_success_total",
+                                  'finished_reason="abort"')) < expected:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert value == expected
+
+
 @pytest.fixture(scope="module")
 def slow_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[ServerProcess]:
@@ -83,8 +94,7 @@ def test_streaming_cancellation_frees_everything(slow_server: ServerProcess) -> 
     assert fresh.status_code == 200 and fresh.json()["usage"]["completion_tokens"] == 8
     assert time.monotonic() - start < 10
     wait_idle(slow_server)
-    now_aborted = slow_server.metric("kvserve:request_success_total", 'finished_reason="abort"')
-    assert now_aborted - aborted == 50
+    wait_aborted(slow_server, aborted + 50)
 
 
 def test_non_streaming_disconnect_aborts(slow_server: ServerProcess) -> None:
@@ -98,13 +108,12 @@ def test_non_streaming_disconnect_aborts(slow_server: ServerProcess) -> None:
 
     asyncio.run(asyncio.wait_for(main(), 30))
     wait_idle(slow_server, timeout_s=5)  # 110 tokens x 12 would take far longer
-    now_aborted = slow_server.metric("kvserve:request_success_total", 'finished_reason="abort"')
-    assert now_aborted - aborted == 12
+    wait_aborted(slow_server, aborted + 12)
 
 
 def test_backpressure(start_server: StartServer) -> None:
     server = start_server(["--max-num-seqs", "2", "--max-queued-requests", "2"],
-                          {"KVSERVE_FAULT_INJECT": "step_delay_s=0.02"})
+                          {"KVSERVE_FAULT_INJECT": "step_delay_s=0.05"})
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60,
@@ -198,14 +207,14 @@ async def _last_finish_reason(client: httpx.AsyncClient, url: str, max_tokens: i
 
 
 def test_sigterm_drains_then_aborts(start_server: StartServer) -> None:
-    """12 tokens finish within the 2 s drain; 110 tokens (5.5 s) are aborted."""
-    server = start_server(["--shutdown-timeout", "2"],
-                          {"KVSERVE_FAULT_INJECT": "step_delay_s=0.05"})
+    """6 tokens (0.6 s) finish within the 4 s drain; 110 tokens (11 s) are aborted."""
+    server = start_server(["--shutdown-timeout", "4"],
+                          {"KVSERVE_FAULT_INJECT": "step_delay_s=0.1"})
 
     async def main() -> tuple[Any, ...]:
         async with httpx.AsyncClient(timeout=30) as client:
             events = [asyncio.Event(), asyncio.Event()]
-            short = asyncio.create_task(_last_finish_reason(client, server.url, 12, events[0]))
+            short = asyncio.create_task(_last_finish_reason(client, server.url, 6, events[0]))
             long = asyncio.create_task(_last_finish_reason(client, server.url, 110, events[1]))
             await asyncio.gather(*(event.wait() for event in events))
             server.process.send_signal(signal.SIGTERM)
