@@ -36,6 +36,7 @@ class AttentionBackend(Protocol):
 
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("kvserve.attention.torch_ref", "TorchRefAttentionBackend"),
+    "triton": ("kvserve.attention.triton_backend", "TritonAttentionBackend"),
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,19 @@ def has_tokenizer(path: Path) -> bool:
     """Whether a model directory carries its own tokenizer. Without one the
     engine falls back to the byte tokenizer (token-id prompts work as usual)."""
     return any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
+def resolve_attention_backend(name: str, device: str) -> str:
+    """``"auto"`` is ``"triton"`` when the engine runs on CUDA and Triton is
+    installed, else ``"torch"``; other names pass through (the registry checks
+    them when the worker starts)."""
+    if name != "auto":
+        return name
+    if device == "cpu" or importlib.util.find_spec("triton") is None:
+        return "torch"
+    import torch
+
+    return "triton" if torch.cuda.is_available() else "torch"
 
 
 @dataclass
@@ -99,9 +113,7 @@ class EngineArgs:
             dtype=self.dtype,
             device=self.device,
             seed=self.seed,
-            attention_backend=(
-                "torch" if self.attention_backend == "auto" else self.attention_backend
-            ),
+            attention_backend=resolve_attention_backend(self.attention_backend, self.device),
         )
 
     @staticmethod

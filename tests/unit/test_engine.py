@@ -144,7 +144,7 @@ def test_n_samples_logprobs_and_stats(tiny_checkpoint: Callable[[str], Path]) ->
             assert token_id in entry and len(entry) <= 3
             assert all(lp.logprob <= 0.0 for lp in entry.values())
     assert output.metrics.ttft_s is not None and output.metrics.ttft_s >= 0
-    assert output.metrics.queue_s is not None and 0 <= output.metrics.queue_s
+    assert output.metrics.queue_s is not None and output.metrics.queue_s >= 0
     assert output.metrics.queue_s <= output.metrics.ttft_s
     assert output.tpot_s is not None and output.tpot_s >= 0
     stats = llm.stats()
