@@ -20,31 +20,7 @@ import time
 import torch
 
 from kvserve import LLM, SamplingParams
-
-
-def copy_rate_gbs(num_bytes: int = 1 << 30, iters: int = 20) -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * num_bytes * iters / (time.perf_counter() - start) / 1e9
-
-
-def matmul_tflops(size: int = 8192, iters: int = 20) -> float:
-    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
-    a @ b
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * size**3 * iters / (time.perf_counter() - start) / 1e12
+from kvserve.bench.device_rates import copy_rate_gb_s, matmul_tflop_s
 
 
 def decode_bytes_per_step(llm: LLM, context: int) -> int:
@@ -95,8 +71,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     card = torch.cuda.get_device_name()
-    copy_gbs = copy_rate_gbs()
-    tflops = matmul_tflops()
+    copy_gbs = copy_rate_gb_s()
+    tflops = matmul_tflop_s()
     torch.cuda.empty_cache()
     start = time.perf_counter()
     llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=8192,

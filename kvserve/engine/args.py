@@ -16,18 +16,12 @@ from pathlib import Path
 
 from kvserve.assets import default_model_path
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.engine.tokenizer import has_tokenizer
 from kvserve.models.source import resolve_model_config
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def has_tokenizer(path: Path) -> bool:
-    """Whether a model directory carries its own tokenizer. Without one the
-    engine falls back to the byte tokenizer (token-id prompts work as usual)."""
-    return any((path / name).is_file() for name in TOKENIZER_FILES)
 
 
 def resolve_attention_backend(name: str, device: str) -> str:
@@ -89,6 +83,7 @@ class EngineArgs:
             if self.enable_chunked_prefill
             else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
         )
+        # without tokenizer files the engine falls back to the byte tokenizer
         tokenizer = self.tokenizer or (str(path) if path is not None and has_tokenizer(path)
                                        else None)
         return EngineConfig(

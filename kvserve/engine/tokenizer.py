@@ -130,6 +130,11 @@ class HfTokenizer(Tokenizer):
         return text
 
 
+def has_tokenizer(path: Path) -> bool:
+    """Whether a model directory carries its own tokenizer files."""
+    return any((path / name).is_file() for name in _TOKENIZER_FILES)
+
+
 def load_tokenizer(path: Path | str) -> HfTokenizer:
     """Load the tokenizer of a local Hugging Face model directory.
 
@@ -139,7 +144,7 @@ def load_tokenizer(path: Path | str) -> HfTokenizer:
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"tokenizer directory {path} does not exist or is not a directory")
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+    if not has_tokenizer(path):
         raise ValueError(f"no tokenizer in {path}: expected one of {', '.join(_TOKENIZER_FILES)}")
     from transformers import AutoTokenizer
 

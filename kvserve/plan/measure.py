@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvserve.bench.device_rates import copy_rate_gb_s, matmul_tflop_s
 from kvserve.plan.planner import Plan, PlanError, PlanInputs
 
 DECODE_STEPS = 32
@@ -53,34 +54,6 @@ def check_measurable(inputs: PlanInputs) -> None:
         raise PlanError("--weights", "--measure supports bf16/fp16 weights and KV cache only")
 
 
-def _copy_gb_s(num_bytes: int = 1 << 30, iters: int = 10) -> float:
-    import torch
-
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * num_bytes * iters / (time.perf_counter() - start) / 1e9
-
-
-def _matmul_tflop_s(size: int = 8192, iters: int = 10) -> float:
-    import torch
-
-    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
-    a @ b
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * size**3 * iters / (time.perf_counter() - start) / 1e12
-
-
 def measure(model: str, inputs: PlanInputs, plan: Plan) -> Measurement:
     """Run the engine on the plan's shapes (one GPU, random weights)."""
     import torch
@@ -88,7 +61,7 @@ def measure(model: str, inputs: PlanInputs, plan: Plan) -> Measurement:
     from kvserve import LLM, SamplingParams
 
     check_measurable(inputs)
-    copy_gb_s, tflop_s = _copy_gb_s(), _matmul_tflop_s()
+    copy_gb_s, tflop_s = copy_rate_gb_s(), matmul_tflop_s()
     torch.cuda.empty_cache()
     max_len = max(inputs.context, inputs.prompt) + 2 * DECODE_STEPS + 8
     llm = LLM(model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_len,
