@@ -12,6 +12,7 @@ bias changes the logits visibly.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,11 @@ import pytest
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
+
+# Without CUDA, Triton kernels run in its interpreter; the switch is read when
+# a kernel is decorated, so it must be set before any test imports Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _BASE: dict[str, Any] = {
     "vocab_size": 384,

@@ -1,0 +1,55 @@
+"""The Triton attention backend, registered as ``"triton"``: the default on CUDA.
+
+Each layer call writes the step's new K/V into the paged cache with the
+``store_kv`` kernel, then runs one attention kernel for the whole batch:
+
+- ``decode_attention`` (split-K, flash-decoding) when every request has one
+  new token (``max_query_len == 1``), so long contexts at small batch still
+  fill the GPU;
+- ``prefill_attention`` otherwise: it handles prefills, chunked prefills and
+  decodes in the same launch, so mixed steps need no split of the batch.
+
+The choice reads only host ints of the metadata; nothing here synchronises
+with the device. Kernels live in ``kvserve/kernels``; this module owns only
+the dispatch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.kernels.paged_attention import decode_attention, prefill_attention
+from kvserve.kernels.store_kv import store_kv
+
+
+class TritonAttentionBackend:
+    """Paged attention with Triton kernels, registered as ``"triton"``."""
+
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        store_kv(_unit_last_stride(k), _unit_last_stride(v), kv_cache, metadata.slot_mapping)
+        q = _unit_last_stride(q)
+        if metadata.max_query_len == 1:
+            return decode_attention(
+                q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+                metadata.max_seq_len, scale, sliding_window,
+            )
+        return prefill_attention(
+            q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+            metadata.max_query_len, scale, sliding_window,
+        )
+
+
+def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()

@@ -1,0 +1,541 @@
+"""Paged attention kernels: causal attention of each request's new tokens over
+its whole context in the paged KV cache (cached prefix plus themselves).
+
+Three kernels, each beside its launcher:
+
+- ``prefill_attention_kernel`` handles any batch: prefills, chunked
+  prefills, decodes and mixes of them. Grid ``(q_blocks, num_kv_heads)``:
+  a program owns ``BLOCK_Q`` query tokens of one request times all
+  ``GROUP`` query heads of one KV head, flattened into ``BLOCK_M`` rows, so
+  each K/V tile is loaded once per group (GQA without repeating K/V). The
+  request of a q-block is found by binary search over ``query_start_loc``,
+  so the grid (``num_tokens // BLOCK_Q + num_reqs`` q-blocks, at most one
+  idle per request) needs no device-to-host read. It walks K/V tiles of ``BLOCK_N`` positions,
+  gathering each position's block from the block table, from the window
+  start (or 0) up to the q-block's last position, with an online softmax in
+  float32.
+- ``decode_attention_kernel`` handles steps where every request has one new
+  token (flash-decoding). Grid ``(num_reqs, num_kv_heads, num_splits)``: a
+  program owns one request's group of query heads of one KV head and one
+  contiguous slice (``partition_size`` positions) of its context, and writes
+  its partial max, sum and unnormalised output; with one split it writes the
+  normalised output directly.
+- ``decode_reduce_kernel`` merges the splits. Grid ``(num_reqs, num_heads)``.
+
+Scores are kept in base 2 (``scale * log2(e)`` folded into the scale) and
+every softmax statistic is float32. The kernels never allocate the cache
+nor read past a request's ``seq_len``: masked loads keep padded block-table
+entries (block 0, the null block) unread.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels.store_kv import check_kv_cache
+
+LOG2E = 1.4426950408889634
+# Below any real score (scores are bounded by |q||k|·scale), finite so that
+# fully masked rows give exp2(-inf - NEG_BIG) = 0 and never NaN.
+NEG_BIG = tl.constexpr(-1.0e30)
+# Decode split-K policy: aim at this many programs per SM, give each split at
+# least MIN_SPLIT_TOKENS positions, never more than MAX_SPLITS splits.
+PROGRAMS_PER_SM = 4
+MIN_SPLIT_TOKENS = 128
+MAX_SPLITS = 64
+DEFAULT_NUM_SMS = 132
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block_idx, num_reqs, BLOCK_Q: tl.constexpr):
+    """The request owning q-block ``q_block_idx``: request ``i`` owns q-blocks
+    ``[query_start_loc[i] // BLOCK_Q + i, query_start_loc[i + 1] // BLOCK_Q + i + 1)``."""
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_q_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_q_block <= q_block_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit(do_not_specialize=["num_reqs", "sliding_window", "stride_bt"])
+def prefill_attention_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    block_table_ptr,  # [num_reqs, max_blocks] int32
+    scale_log2,  # softmax scale * log2(e)
+    num_reqs,
+    sliding_window,  # used only when USE_WINDOW
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD rows
+    BLOCK_N: tl.constexpr,  # key positions per tile
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, q_block_idx, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block_local = q_block_idx - (q_start // BLOCK_Q + req)
+    if q_block_local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_token = q_block_local * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] index within request
+    head_in_group = rows % GROUP_PAD
+    row_valid = (q_token < q_len) & (head_in_group < GROUP)
+    head = kv_head * GROUP + head_in_group
+    q_pos = context_len + q_token  # [BLOCK_M] position in the sequence
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+
+    # [BLOCK_M, HEAD_DIM_PAD]
+    q = tl.load(
+        q_ptr + (q_start + q_token)[:, None] * stride_q_token
+        + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    first_q_pos = context_len + q_block_local * BLOCK_Q
+    kv_end = tl.minimum(first_q_pos + BLOCK_Q, seq_len)  # last q position + 1
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(first_q_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
+        key_pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        key_valid = key_pos < kv_end
+        block_id = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+        # [BLOCK_N] element offset of each position's head vector
+        kv_offset = (
+            block_id.to(tl.int64) * stride_cache_block
+            + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+        )
+        kv_mask = key_valid[:, None] & dim_mask[None, :]
+        # [BLOCK_N, HEAD_DIM_PAD]
+        k = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        # [BLOCK_M, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        allowed = key_pos[None, :] <= q_pos[:, None]
+        if USE_WINDOW:
+            allowed = allowed & (key_pos[None, :] > q_pos[:, None] - sliding_window)
+        scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # padded rows saw no key (l_i = 0); they are not stored, keep them finite
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + (q_start + q_token)[:, None] * stride_out_token
+        + head[:, None] * stride_out_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & dim_mask[None, :],
+    )
+
+
+@triton.jit(do_not_specialize=["sliding_window", "partition_size", "stride_bt"])
+def decode_attention_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim], written when NUM_SPLITS_IS_ONE
+    part_out_ptr,  # [num_reqs, num_heads, num_splits, head_dim] fp32, unnormalised
+    part_max_ptr,  # [num_reqs, num_heads, num_splits] fp32, base-2 running max
+    part_sum_ptr,  # [num_reqs, num_heads, num_splits] fp32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    block_table_ptr,  # [num_reqs, max_blocks] int32
+    scale_log2,
+    sliding_window,
+    partition_size,  # context positions per split, a multiple of BLOCK_N
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    NUM_SPLITS_IS_ONE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) == q_start:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    rows = tl.arange(0, ROWS)
+    row_valid = rows < GROUP
+    head = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    # [ROWS, HEAD_DIM_PAD]
+    q = tl.load(
+        q_ptr + q_start * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    split_start = split * partition_size
+    split_end = tl.minimum(split_start + partition_size, seq_len)
+    if USE_WINDOW:
+        split_start = tl.maximum(split_start, seq_len - sliding_window)
+
+    m_i = tl.full([ROWS], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+    block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for tile_start in range(split_start, split_end, BLOCK_N):
+        key_pos = tile_start + tl.arange(0, BLOCK_N)
+        key_valid = key_pos < split_end
+        block_id = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+        kv_offset = (
+            block_id.to(tl.int64) * stride_cache_block
+            + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+        )
+        kv_mask = key_valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.where(key_valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    store_mask = row_valid[:, None] & dim_mask[None, :]
+    if NUM_SPLITS_IS_ONE:
+        tl.store(
+            out_ptr + q_start * stride_out_token + head[:, None] * stride_out_head
+            + dims[None, :],
+            (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+            mask=store_mask,
+        )
+    else:
+        # row (req, head) of the [num_reqs, num_heads, num_splits] statistics
+        stat_idx = (req * GROUP * tl.num_programs(1) + head) * num_splits + split
+        tl.store(part_max_ptr + stat_idx, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + stat_idx, l_i, mask=row_valid)
+        tl.store(part_out_ptr + stat_idx[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=store_mask)
+
+
+@triton.jit
+def decode_reduce_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_out_ptr,  # [num_reqs, num_heads, num_splits, head_dim] fp32
+    part_max_ptr,  # [num_reqs, num_heads, num_splits] fp32
+    part_sum_ptr,  # [num_reqs, num_heads, num_splits] fp32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    num_splits,
+    stride_out_token,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) == q_start:
+        return
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    stat_base = (req * tl.num_programs(1) + head) * num_splits
+    m_total = tl.full([], NEG_BIG, dtype=tl.float32)
+    l_total = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    for split in range(0, num_splits):
+        m_split = tl.load(part_max_ptr + stat_base + split)
+        l_split = tl.load(part_sum_ptr + stat_base + split)
+        acc_split = tl.load(part_out_ptr + (stat_base + split) * HEAD_DIM + dims, mask=dim_mask,
+                            other=0.0)
+        m_new = tl.maximum(m_total, m_split)
+        old_weight = tl.exp2(m_total - m_new)
+        split_weight = tl.exp2(m_split - m_new)
+        l_total = l_total * old_weight + l_split * split_weight
+        acc = acc * old_weight + acc_split * split_weight
+        m_total = m_new
+    tl.store(out_ptr + q_start * stride_out_token + head * stride_out_head + dims,
+             (acc / l_total).to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+# ---------------------------------------------------------------- launchers
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    sliding_window: int | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Validate the common inputs; return ``out`` (allocated when None)."""
+    check_kv_cache(kv_cache)
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
+        raise ValueError(
+            f"q: shape {tuple(q.shape)}; expected [num_tokens, num_heads, {head_dim}] with "
+            f"num_heads a multiple of num_kv_heads={num_kv_heads}"
+        )
+    if q.dtype != kv_cache.dtype or q.stride(-1) != 1 or q.device != kv_cache.device:
+        raise ValueError(
+            f"q: dtype {q.dtype}, last stride {q.stride(-1)}, device {q.device}; expected "
+            f"dtype {kv_cache.dtype}, last stride 1, device {kv_cache.device} (the cache's)"
+        )
+    num_reqs = seq_lens.shape[0]
+    for name, tensor, shape in (
+        ("query_start_loc", query_start_loc, (num_reqs + 1,)),
+        ("seq_lens", seq_lens, (num_reqs,)),
+    ):
+        if (tensor.dtype != torch.int32 or tuple(tensor.shape) != shape
+                or not tensor.is_contiguous()):
+            raise ValueError(
+                f"{name}: {tensor.dtype} of shape {tuple(tensor.shape)}; expected contiguous "
+                f"int32 of shape {list(shape)}"
+            )
+    if (block_table.dtype != torch.int32 or block_table.dim() != 2
+            or block_table.shape[0] != num_reqs or block_table.stride(1) != 1):
+        raise ValueError(
+            f"block_table: {block_table.dtype} of shape {tuple(block_table.shape)}, strides "
+            f"{block_table.stride()}; expected int32 [num_reqs={num_reqs}, max_blocks] with "
+            "unit last stride"
+        )
+    for name, tensor in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                         ("block_table", block_table)):
+        if tensor.device != q.device:
+            raise ValueError(f"{name}: on {tensor.device}; expected {q.device} (q's device)")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window}; must be None or >= 1")
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"out: {out.dtype} of shape {tuple(out.shape)}, last stride {out.stride(-1)}; "
+            f"expected {q.dtype} of shape {tuple(q.shape)}, last stride 1"
+        )
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, context length including the new tokens
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal paged attention for any mix of prefills, chunked prefills and decodes.
+
+    Every query head of one KV head is computed in the same program. Needs no
+    device-to-host copy: the grid comes from ``q.shape[0]``, the number of
+    requests and ``max_query_len``.
+    """
+    out = _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
+                        out)
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    max_rows, block_n = _prefill_tile_limits(kv_cache.dtype, head_dim_pad)
+    block_m = max(min(max_rows, max(16, triton.next_power_of_2(max_query_len * group_pad))),
+                  group_pad)
+    block_q = block_m // group_pad
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    prefill_attention_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+        scale * LOG2E, num_reqs, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION=_dot_precision(kv_cache.dtype),
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=2,
+    )
+    return out
+
+
+def decode_num_splits(
+    num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = DEFAULT_NUM_SMS
+) -> int:
+    """How many context slices each (request, KV head) of a decode step gets.
+
+    A power of two, enough for ``PROGRAMS_PER_SM * num_sms`` programs in all,
+    with at least ``MIN_SPLIT_TOKENS`` positions per split and at most
+    ``MAX_SPLITS`` splits: one split at large batch, many at batch 1 with a
+    long context.
+    """
+    programs = max(1, num_reqs * num_kv_heads)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
+    by_length = max(1, max_seq_len // MIN_SPLIT_TOKENS)
+    splits = min(wanted, by_length, MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 caches: three tf32 products, about float32 accuracy on tensor cores
+    # ("ieee" spills registers heavily at head_dim 128); ignored for 16-bit inputs
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _prefill_tile_limits(dtype: torch.dtype, head_dim_pad: int) -> tuple[int, int]:
+    """(most rows per program, key positions per tile) that fit sm_90 registers:
+    float32 tiles are twice as large, head dims above 128 need smaller tiles."""
+    if dtype == torch.float32:
+        return 32, 32
+    if head_dim_pad > 128:
+        return 64, 32
+    return 128, 64
+
+
+def decode_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], one token per request
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Split-K paged attention for steps where every request has at most one new token.
+
+    ``num_splits`` (default: ``decode_num_splits``) slices each context into
+    that many parts of ``partition_size`` positions; a reduce kernel merges
+    them. Every query row must be the last position of its request.
+    ``max_seq_len`` may be any upper bound of ``seq_lens`` (a CUDA graph
+    captured for reuse passes ``max_model_len`` and a fixed ``num_splits``,
+    so the frozen grid and partition size cover every later step).
+    """
+    out = _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
+                        out)
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_reqs = seq_lens.shape[0]
+    if num_tokens > num_reqs:
+        raise ValueError(
+            f"decode_attention: {num_tokens} tokens for {num_reqs} requests; a decode step has "
+            "at most one new token per request (use prefill_attention)"
+        )
+    if num_tokens == 0 or num_reqs == 0 or max_seq_len < 1:
+        return out
+    if num_splits is None:
+        num_splits = decode_num_splits(num_reqs, num_kv_heads, max_seq_len, _num_sms(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits}; must be >= 1")
+    group = num_heads // num_kv_heads
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    block_n = 32 if kv_cache.dtype == torch.float32 or head_dim_pad > 128 else 64
+    partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_seq_len, partition_size)
+    if num_splits > 1:
+        # [num_reqs, num_heads, num_splits(, head_dim)] float32 partial results
+        part_out = torch.empty((num_reqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                               device=q.device)
+        part_max = torch.empty((num_reqs, num_heads, num_splits), dtype=torch.float32,
+                               device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_out = part_max = part_sum = out
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_max, part_sum,
+        query_start_loc, seq_lens, block_table,
+        scale * LOG2E, sliding_window or 0, partition_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        ROWS=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_N=block_n,
+        USE_WINDOW=sliding_window is not None,
+        NUM_SPLITS_IS_ONE=num_splits == 1,
+        DOT_PRECISION=_dot_precision(kv_cache.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        decode_reduce_kernel[(num_reqs, num_heads)](
+            out, part_out, part_max, part_sum, query_start_loc, num_splits,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+        )
+    return out
