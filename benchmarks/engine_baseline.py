@@ -1,13 +1,12 @@
-"""Baseline of the engine core on a GPU with the torch reference attention.
+"""The engine on a GPU with a chosen attention backend (torch reference or triton).
 
 Measures, in one process: the device-to-device copy rate and the bf16
 matmul rate of this card, then kvserve on a preset with random weights —
 W1 (batch 1, prompt 128 / 4096, 256 new tokens) with TTFT, decode tok/s and
 MBU, and a small offline batch for throughput. Prints a table and writes
-JSON. The fast path (issue: Triton backend, CUDA graphs) is measured against
-these numbers.
+JSON. Run it once per backend in the same device call to compare them.
 
-    python benchmarks/engine_baseline.py --model llama-3-8b --out result.json
+    python benchmarks/engine_baseline.py --model llama-3-8b --attention-backend triton
 """
 
 from __future__ import annotations
