@@ -12,6 +12,7 @@ server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 1 180); do
     curl -sf "http://127.0.0.1:$port/ready" > /dev/null && break
+    kill -0 "$server" 2>/dev/null || { tail -20 "$out/server.log"; exit 1; }
     sleep 1
 done
 # the preset has no tokenizer: the byte tokenizer makes ~4 prompt tokens per
