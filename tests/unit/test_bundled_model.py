@@ -104,3 +104,14 @@ def test_generate_without_model_completes_requested_length() -> None:
     assert proc.stdout.startswith("def fibonacci(n):")
     assert "24 tokens" in proc.stderr
     assert DEFAULT_MODEL in proc.stderr
+
+
+def test_chat_cli_answers_through_the_chat_template() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "chat", "--max-tokens", "8", "--ignore-eos"],
+        input="write a function\n/exit\n", capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("assistant> ") == 1
+    reply = proc.stdout.split("assistant> ", 1)[1].split("you> ", 1)[0]
+    assert reply.strip()
