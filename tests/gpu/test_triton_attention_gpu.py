@@ -13,17 +13,18 @@ them before the CPU interpreter tests switch the interpreter on.
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import paged_attention_ref, write_kv
+from tests.attention_cases import Case
+from tests.attention_cases import make_case as make_shared_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,74 +35,8 @@ MAX_ERROR = 1e-2
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-@dataclass
-class Case:
-    """One batch on the GPU: metadata, the step's q/k/v, the cache before the step."""
-
-    metadata: AttentionMetadata
-    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-
-
-def make_case(
-    query_lens: Sequence[int],
-    seq_lens: Sequence[int],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-) -> Case:
-    """Shuffled block tables (block 0 is the null block), spare blocks, NaN in every
-    slot outside the requests' contexts, fresh random values elsewhere."""
-    device = torch.device("cuda")
-    blocks_per_req = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 5
-    order = torch.randperm(num_blocks - 1) + 1
-    tables, starts, slots, context_slots = [], [0], [], []
-    offset = 0
-    for query_len, seq_len, count in zip(query_lens, seq_lens, blocks_per_req, strict=True):
-        table = order[offset:offset + count]
-        offset += count
-        tables.append(table.tolist())
-        positions = torch.arange(seq_len)
-        # [seq_len] slot of every context position
-        request_slots = table[positions // block_size] * block_size + positions % block_size
-        context_slots.append(request_slots)
-        slots.append(request_slots[seq_len - query_len:])
-        starts.append(starts[-1] + query_len)
-    max_blocks = max(blocks_per_req)
-    block_table = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
-    for i, table_ids in enumerate(tables):
-        block_table[i, :len(table_ids)] = torch.tensor(table_ids, dtype=torch.int32)
-    metadata = AttentionMetadata(
-        num_reqs=len(query_lens),
-        num_tokens=starts[-1],
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-        block_table=block_table.to(device),
-        slot_mapping=torch.cat(slots).to(device),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=list(seq_lens),
-    )
-    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"),
-                          dtype=dtype, device=device)
-    owned = torch.cat(context_slots).to(device)
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[:, owned] = torch.randn(2, owned.numel(), num_kv_heads, head_dim, device=device,
-                                 dtype=dtype)
-    num_tokens = metadata.num_tokens
-    return Case(
-        metadata,
-        torch.randn(num_tokens, num_heads, head_dim, device=device, dtype=dtype),
-        torch.randn(num_tokens, num_kv_heads, head_dim, device=device, dtype=dtype),
-        torch.randn(num_tokens, num_kv_heads, head_dim, device=device, dtype=dtype),
-        kv_cache,
-    )
+# shuffled block tables, fresh random values every time
+make_case = functools.partial(make_shared_case, device="cuda", seed=None)
 
 
 def check(case: Case, sliding_window: int | None = None, num_splits: int | None = None,

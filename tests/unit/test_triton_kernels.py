@@ -16,8 +16,7 @@ the interpreter (set ``TRITON_INTERPRET=1`` in the environment then).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,69 +38,12 @@ if not isinstance(tl.zeros, InterpretedFunction):
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention.backend import get_attention_backend
-from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import paged_attention_ref, write_kv
 from kvserve.engine.args import resolve_attention_backend
 from kvserve.kernels import paged_attention, store_kv
-from tests.conftest import make_attention_metadata
+from tests.attention_cases import Case, make_case
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-
-
-@dataclass
-class Case:
-    """One batch: the metadata, the step's q/k/v, and the cache before the step."""
-
-    metadata: AttentionMetadata
-    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-
-
-def make_case(
-    query_lens: Sequence[int],
-    seq_lens: Sequence[int],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    *,
-    layout: str = "shuffled",
-    seed: int = 0,
-) -> Case:
-    """Random inputs; blocks are drawn from 1.. (0 is the null block) in ``layout``
-    order ("shuffled", "reversed" or "contiguous"), with spare blocks left over.
-    Every slot outside the requests' contexts holds NaN."""
-    generator = torch.Generator().manual_seed(seed)
-    blocks_per_req = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 3
-    if layout == "shuffled":
-        order = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
-    elif layout == "reversed":
-        order = list(range(num_blocks - 1, 0, -1))
-    else:
-        order = list(range(1, num_blocks))
-    tables: list[list[int]] = []
-    for count in blocks_per_req:
-        tables.append(order[:count])
-        order = order[count:]
-    metadata, _ = make_attention_metadata(query_lens, seq_lens, tables, block_size)
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    kv_cache = torch.full(shape, float("nan"), dtype=dtype)
-    for table, seq_len in zip(tables, seq_lens, strict=True):
-        for pos in range(seq_len):
-            kv_cache[:, table[pos // block_size], pos % block_size] = torch.randn(
-                2, num_kv_heads, head_dim, generator=generator).to(dtype)
-    num_tokens = metadata.num_tokens
-
-    def randn(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=generator).to(dtype)
-
-    return Case(metadata, randn(num_tokens, num_heads, head_dim),
-                randn(num_tokens, num_kv_heads, head_dim),
-                randn(num_tokens, num_kv_heads, head_dim), kv_cache)
 
 
 def reference(case: Case, scale: float, sliding_window: int | None) -> torch.Tensor:

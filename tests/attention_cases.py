@@ -1,0 +1,80 @@
+"""Random paged-attention batches for kernel tests, on any device.
+
+``make_case`` lays the requests' blocks out in a chosen order (block 0 is
+the null block and never used; spare blocks are left over), fills every
+slot inside a request's context with random K/V and every other slot with
+NaN, so a kernel that reads past a context or leaves an output unwritten
+shows. Shared by the interpreter tests (CPU) and the GPU tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+from tests.conftest import make_attention_metadata
+
+
+@dataclass
+class Case:
+    """One batch: the metadata, the step's q/k/v, and the cache before the step."""
+
+    metadata: AttentionMetadata
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+
+
+def make_case(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    *,
+    device: torch.device | str = "cpu",
+    layout: str = "shuffled",
+    seed: int | None = 0,
+) -> Case:
+    """``layout`` is "shuffled", "reversed" or "contiguous"; ``seed=None``
+    draws fresh values from the global generator."""
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3
+    if layout == "shuffled":
+        order = (torch.randperm(num_blocks - 1, generator=generator, device=device) + 1).tolist()
+    elif layout == "reversed":
+        order = list(range(num_blocks - 1, 0, -1))
+    else:
+        order = list(range(1, num_blocks))
+    tables: list[list[int]] = []
+    for count in blocks_per_req:
+        tables.append(order[:count])
+        order = order[count:]
+    metadata, _ = make_attention_metadata(query_lens, seq_lens, tables, block_size, device)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator, device=device).to(dtype)
+
+    owned = torch.cat([
+        torch.tensor(table, device=device)[positions // block_size] * block_size
+        + positions % block_size
+        for table, seq_len in zip(tables, seq_lens, strict=True)
+        for positions in [torch.arange(seq_len, device=device)]
+    ])
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"),
+                          dtype=dtype, device=device)
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[:, owned] = randn(2, owned.numel(), num_kv_heads, head_dim)
+    num_tokens = metadata.num_tokens
+    return Case(metadata, randn(num_tokens, num_heads, head_dim),
+                randn(num_tokens, num_kv_heads, head_dim),
+                randn(num_tokens, num_kv_heads, head_dim), kv_cache)
