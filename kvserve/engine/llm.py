@@ -15,7 +15,7 @@ from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine, Prompt
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.tokenizer import AnyTokenizer
+from kvserve.engine.tokenizer import Tokenizer
 
 Message = dict[str, str]
 
@@ -32,7 +32,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
 
-    def get_tokenizer(self) -> AnyTokenizer:
+    def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(

@@ -23,7 +23,7 @@ from kvserve.engine.args import EngineArgs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_core import EngineCore, Executor, create_executor
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvserve.engine.tokenizer import AnyTokenizer, ByteTokenizer, load_tokenizer
+from kvserve.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class _Tracked:
 class LLMEngine:
     """Tokenize, schedule, run, detokenize: the engine loop, stepped by its owner."""
 
-    def __init__(self, config: EngineConfig, tokenizer: AnyTokenizer, core: EngineCore) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, core: EngineCore) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.core = core
@@ -76,7 +76,7 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, executor: Executor | None = None) -> LLMEngine:
         config = args.create_engine_config()
-        tokenizer: AnyTokenizer = (
+        tokenizer: Tokenizer = (
             load_tokenizer(config.tokenizer_path) if config.tokenizer_path else ByteTokenizer()
         )
         core = EngineCore(config, executor or create_executor(config))

@@ -72,9 +72,6 @@ class Tokenizer(ABC):
         return self.encode(text, add_special_tokens=False)
 
 
-# the name the engine types against; every implementation is a Tokenizer
-AnyTokenizer = Tokenizer
-
 
 class HfTokenizer(Tokenizer):
     """A Hugging Face tokenizer behind the ``Tokenizer`` interface."""

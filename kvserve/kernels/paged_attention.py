@@ -66,6 +66,25 @@ def _find_request(query_start_loc_ptr, q_block_idx, num_reqs, BLOCK_Q: tl.conste
     return lo - 1
 
 
+@triton.jit
+def _load_kv_tile(
+    k_cache_ptr, v_cache_ptr, block_table_row, key_pos, key_valid, kv_head, dims, dim_mask,
+    stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE: tl.constexpr,
+):
+    """K and V of one KV head at ``key_pos`` ([BLOCK_N]), gathered through the
+    block table: two [BLOCK_N, HEAD_DIM_PAD] tiles, zero where masked."""
+    block_id = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+    # [BLOCK_N] element offset of each position's head vector
+    kv_offset = (
+        block_id.to(tl.int64) * stride_cache_block
+        + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+    )
+    kv_mask = key_valid[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
 @triton.jit(do_not_specialize=["num_reqs", "sliding_window", "stride_bt"])
 def prefill_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -137,16 +156,9 @@ def prefill_attention_kernel(
     for tile_start in range(kv_start, kv_end, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         key_valid = key_pos < kv_end
-        block_id = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
-        # [BLOCK_N] element offset of each position's head vector
-        kv_offset = (
-            block_id.to(tl.int64) * stride_cache_block
-            + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
-        )
-        kv_mask = key_valid[:, None] & dim_mask[None, :]
-        # [BLOCK_N, HEAD_DIM_PAD]
-        k = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row, key_pos, key_valid,
+                             kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot,
+                             stride_cache_head, BLOCK_SIZE)
         # [BLOCK_M, BLOCK_N]
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         allowed = key_pos[None, :] <= q_pos[:, None]
@@ -235,14 +247,9 @@ def decode_attention_kernel(
     for tile_start in range(split_start, split_end, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)
         key_valid = key_pos < split_end
-        block_id = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
-        kv_offset = (
-            block_id.to(tl.int64) * stride_cache_block
-            + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
-        )
-        kv_mask = key_valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row, key_pos, key_valid,
+                             kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot,
+                             stride_cache_head, BLOCK_SIZE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(key_valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))

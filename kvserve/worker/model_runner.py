@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -103,8 +104,6 @@ class ModelRunner:
         attention_backend: str = "torch",
     ) -> ModelRunner:
         """Load the model and allocate the KV cache."""
-        from pathlib import Path
-
         model = load_model(
             model_config,
             Path(model_path) if model_path else None,
