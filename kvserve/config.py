@@ -224,3 +224,7 @@ class EngineConfig:
     device: str
     seed: int
     attention_backend: str
+    # CUDA graphs for decode steps of these batch sizes (padded up to the next
+    # one); empty when the engine runs eagerly (CPU, reference backend,
+    # enforce_eager)
+    cuda_graph_sizes: tuple[int, ...] = ()

@@ -20,6 +20,9 @@ class AttentionBackend(Protocol):
     """One attention implementation over the paged KV cache."""
 
     name: str
+    # whether a decode step through it can be captured in a CUDA graph: it reads
+    # no host copies of the metadata and never synchronises with the device
+    supports_cuda_graphs: bool
 
     def forward(
         self,

@@ -15,7 +15,10 @@ from kvserve.attention.metadata import AttentionMetadata
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store the new tokens' K and V at their slots."""
+    """Store the new tokens' K and V at their slots; negative slots (padding) are skipped."""
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
@@ -66,6 +69,7 @@ class TorchRefAttentionBackend:
     """The reference backend, registered as ``"torch"``."""
 
     name = "torch"
+    supports_cuda_graphs = False  # loops over the host copies of the metadata
 
     def forward(
         self,

@@ -27,6 +27,7 @@ class TritonAttentionBackend:
     """Paged attention with Triton kernels, registered as ``"triton"``."""
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def forward(
         self,

@@ -1,7 +1,9 @@
 """``kvserve bench``: benchmarks. ``bench serve`` loads any OpenAI-compatible
 server (kvserve, vLLM, SGLang) and reports latency percentiles and throughput
-with vLLM's key names; more benchmarks mount here with their own
-``add_cli_args`` / ``run`` pair."""
+with vLLM's key names; ``bench latency`` times one batch of fixed-length
+requests through the offline engine (TTFT, TPOT, MBU, prefill MFU) and
+``bench throughput`` a whole workload submitted at once. Each subcommand is a
+module with its own ``add_cli_args`` / ``run`` pair, mounted here."""
 
 from __future__ import annotations
 
@@ -10,12 +12,16 @@ from typing import Any
 
 def add_bench_parser(sub: Any) -> None:
     """Mount ``bench`` and its subcommands on the ``kvserve`` parser."""
-    from kvserve.bench import serve
+    from kvserve.bench import latency, serve, throughput
 
-    bench = sub.add_parser("bench", help="benchmarks (bench serve: load an HTTP server)")
+    bench = sub.add_parser("bench", help="benchmarks: serve (an HTTP server), latency and "
+                                         "throughput (the offline engine)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    serve_parser = bench_sub.add_parser(
-        "serve", help="load an OpenAI-compatible server and report TTFT / TPOT / ITL / E2E",
-        description=serve.__doc__)
-    serve.add_cli_args(serve_parser)
-    serve_parser.set_defaults(func=serve.run)
+    for module, name, summary in (
+        (serve, "serve", "load an OpenAI-compatible server and report TTFT / TPOT / ITL / E2E"),
+        (latency, "latency", "time one batch of fixed-length requests: TTFT, TPOT, MBU, MFU"),
+        (throughput, "throughput", "run a whole workload at once: requests/s and tok/s"),
+    ):
+        parser = bench_sub.add_parser(name, help=summary, description=module.__doc__)
+        module.add_cli_args(parser)
+        parser.set_defaults(func=module.run)

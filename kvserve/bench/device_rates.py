@@ -1,38 +1,106 @@
-"""The two rates every GPU figure is reported against, measured in the same
+"""The two rates every speed figure is reported against, measured in the same
 run: the device-to-device copy rate (bytes read + written per second, the
-practical ceiling for MBU) and the bf16 matmul rate of an 8192^3 product
-(the practical ceiling for MFU)."""
+practical ceiling for MBU) and the matmul rate of a square product in the
+dtype the model runs in (bf16 for the GPU figures; the practical ceiling
+for MFU). They run on CUDA or on the CPU; the CPU uses smaller sizes so the
+measurement takes a second, not minutes.
+"""
 
 from __future__ import annotations
 
+import platform
 import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
-
-def copy_rate_gb_s(num_bytes: int = 1 << 30, iters: int = 10) -> float:
-    """Device-to-device copy on the current CUDA device, GB/s read + written."""
+if TYPE_CHECKING:
     import torch
 
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+# (copy bytes, matmul size) per device type
+_SIZES = {"cuda": (1 << 30, 8192), "cpu": (1 << 26, 1024)}
+
+
+def _sync(device: torch.device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_rate_gb_s(num_bytes: int | None = None, iters: int = 10,
+                   device: str | torch.device = "cuda") -> float:
+    """Device-to-device copy on ``device``, GB/s read + written."""
+    import torch
+
+    device = torch.device(device)
+    num_bytes = num_bytes or _SIZES[device.type][0]
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    torch.cuda.synchronize()
+    _sync(device)
     start = time.perf_counter()
     for _ in range(iters):
         dst.copy_(src)
-    torch.cuda.synchronize()
+    _sync(device)
     return 2 * num_bytes * iters / (time.perf_counter() - start) / 1e9
 
 
-def matmul_tflop_s(size: int = 8192, iters: int = 10) -> float:
-    """bf16 matmul rate on the current CUDA device, TFLOP/s."""
+def matmul_tflop_s(size: int | None = None, iters: int = 10, device: str | torch.device = "cuda",
+                   dtype: torch.dtype | None = None) -> float:
+    """Square ``size``^3 matmul rate on ``device`` in ``dtype`` (bf16 by default), TFLOP/s."""
     import torch
 
-    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    device = torch.device(device)
+    size = size or _SIZES[device.type][1]
+    dtype = dtype or torch.bfloat16
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
     a @ b
-    torch.cuda.synchronize()
+    _sync(device)
     start = time.perf_counter()
     for _ in range(iters):
         a @ b
-    torch.cuda.synchronize()
+    _sync(device)
     return 2 * size**3 * iters / (time.perf_counter() - start) / 1e12
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What one run measured on its device, and the card's spec-sheet bandwidth
+    (``kvserve/plan/gpus.py``) when the card is in that table."""
+
+    card: str
+    copy_gb_s: float
+    matmul_tflop_s: float
+    matmul_dtype: str
+    spec_bandwidth_gb_s: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def device_name(device: torch.device) -> str:
+    """The CUDA card's name, or the CPU's architecture and thread count."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def measure_rates(device: str | torch.device, dtype: torch.dtype) -> DeviceRates:
+    """Both rates on ``device`` (the matmul in ``dtype``), then free what they used."""
+    import torch
+
+    from kvserve.plan.gpus import gpu_for_device_name  # kvserve.plan imports this module
+
+    device = torch.device(device)
+    copy_gb_s = copy_rate_gb_s(device=device)
+    tflop_s = matmul_tflop_s(device=device, dtype=dtype)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    card = device_name(device)
+    spec = gpu_for_device_name(card) if device.type == "cuda" else None
+    return DeviceRates(card=card, copy_gb_s=copy_gb_s, matmul_tflop_s=tflop_s,
+                       matmul_dtype=str(dtype).removeprefix("torch."),
+                       spec_bandwidth_gb_s=spec.bandwidth_gb_s if spec else None)

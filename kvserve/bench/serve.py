@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve import envs
+from kvserve.bench.report import latency_stats_ms, percentile_key
 
 _WORD_TEXT = (
     "the of and to in is it you that he was for on are with as his they be at one have this "
@@ -365,22 +366,6 @@ async def run_load(client: Any, target: Target, requests: list[SampleRequest],
 # ------------------------------------------------------------ metrics
 
 
-def _percentile_key(p: float) -> str:
-    return str(int(p)) if int(p) == p else str(p)
-
-
-def _stats(prefix: str, values_s: list[float], percentiles: list[float]) -> dict[str, float]:
-    import numpy as np
-
-    values = np.array(values_s or [0.0]) * 1000.0
-    stats = {f"mean_{prefix}_ms": float(values.mean()),
-             f"median_{prefix}_ms": float(np.median(values)),
-             f"std_{prefix}_ms": float(values.std())}
-    for p in percentiles:
-        stats[f"p{_percentile_key(p)}_{prefix}_ms"] = float(np.percentile(values, p))
-    return stats
-
-
 def _peaks(results: list[RequestResult]) -> tuple[float, int]:
     """Peak output tokens per second (1 s windows of chunk arrivals) and peak
     number of requests in flight."""
@@ -432,7 +417,7 @@ def compute_metrics(results: list[RequestResult], duration: float,
     values = {"ttft": [r.ttft for r in ok], "tpot": [_tpot(r) for r in ok if r.output_len > 1],
               "itl": [gap for r in ok for gap in r.itl], "e2el": [r.latency for r in ok]}
     for name in METRICS:
-        summary.update(_stats(name, values[name], percentiles))
+        summary.update(latency_stats_ms(name, values[name], percentiles))
     if args.save_detailed:
         summary.update(
             input_lens=[r.prompt_len for r in results], output_lens=[r.output_len for r in results],
@@ -475,7 +460,7 @@ def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
         row(f"Mean {label} (ms):", summary[f"mean_{name}_ms"])
         row(f"Median {label} (ms):", summary[f"median_{name}_ms"])
         for p in args.metric_percentiles.split(","):
-            key = _percentile_key(float(p))
+            key = percentile_key(float(p))
             row(f"P{key} {label} (ms):", summary[f"p{key}_{name}_ms"])
     print("=" * 50)
 

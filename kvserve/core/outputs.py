@@ -73,6 +73,9 @@ class ModelRunnerOutput:
     # request_id -> tokens sampled this step (empty for a partial prefill chunk)
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    # seconds the host spent blocked on the device for this step's results;
+    # the rest of a step's wall time is host work during which the device idles
+    device_wait_s: float = 0.0
 
 
 @dataclass

@@ -22,6 +22,16 @@ from kvserve.models.source import resolve_model_config
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
+# CUDA graphs are captured for decode batches up to this size at most
+MAX_CUDA_GRAPH_SIZE = 512
+
+
+def default_cuda_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, then every multiple of 8, up to ``max_num_seqs`` (capped at 512),
+    which is always included so every batch the scheduler can form is covered."""
+    top = min(max_num_seqs, MAX_CUDA_GRAPH_SIZE)
+    sizes = {s for s in (1, 2, 4) if s <= top} | set(range(8, top + 1, 8)) | {top}
+    return tuple(sorted(sizes))
 
 
 def resolve_attention_backend(name: str, device: str) -> str:
@@ -57,6 +67,8 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model = self.model or str(default_model_path())
@@ -83,6 +95,10 @@ class EngineArgs:
             if self.enable_chunked_prefill
             else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
         )
+        attention_backend = resolve_attention_backend(self.attention_backend, self.device)
+        cuda_graph_sizes: tuple[int, ...] = ()
+        if not self.enforce_eager and attention_backend == "triton" and self.device != "cpu":
+            cuda_graph_sizes = self._cuda_graph_sizes()
         # without tokenizer files the engine falls back to the byte tokenizer
         tokenizer = self.tokenizer or (str(path) if path is not None and has_tokenizer(path)
                                        else None)
@@ -108,8 +124,20 @@ class EngineArgs:
             dtype=self.dtype,
             device=self.device,
             seed=self.seed,
-            attention_backend=resolve_attention_backend(self.attention_backend, self.device),
+            attention_backend=attention_backend,
+            cuda_graph_sizes=cuda_graph_sizes,
         )
+
+    def _cuda_graph_sizes(self) -> tuple[int, ...]:
+        if self.cuda_graph_sizes is None:
+            return default_cuda_graph_sizes(self.max_num_seqs)
+        bad = [s for s in self.cuda_graph_sizes if not 1 <= s <= self.max_num_seqs]
+        if bad:
+            raise ValueError(
+                f"cuda_graph_sizes={self.cuda_graph_sizes} is invalid: every size must be in "
+                f"[1, max_num_seqs={self.max_num_seqs}]; got {bad}"
+            )
+        return tuple(sorted(set(self.cuda_graph_sizes)))
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +167,11 @@ class EngineArgs:
                            action="store_false")
         group.add_argument("--scheduling-policy", default=defaults.scheduling_policy,
                            choices=("fcfs", "priority"))
+        group.add_argument("--enforce-eager", action="store_true",
+                           help="no CUDA graphs: run every step eagerly")
+        group.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
+                           help="decode batch sizes to capture as CUDA graphs "
+                                "(default: 1 2 4 8 16 24 ... up to max_num_seqs, at most 512)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

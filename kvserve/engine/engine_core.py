@@ -43,6 +43,7 @@ class EngineCore:
         )
         self.num_steps = 0
         self.last_step_s = time.monotonic()
+        self.device_wait_s = 0.0
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -59,6 +60,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
+        self.device_wait_s += runner_output.device_wait_s
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         self.last_step_s = time.monotonic()
@@ -71,4 +73,5 @@ class EngineCore:
         return self.scheduler.requests.get(request_id)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.scheduler.stats(), "num_steps": self.num_steps}
+        return {**self.scheduler.stats(), "num_steps": self.num_steps,
+                "device_wait_s": self.device_wait_s}

@@ -96,7 +96,7 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         """KV blocks (total, free, cached), prefix-cache counters, preemptions,
-        running and waiting requests."""
+        running and waiting requests, steps and their host/device time split."""
         return self.engine.stats()
 
 

@@ -72,6 +72,7 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._core_to_user: dict[str, tuple[str, int]] = {}
         self._counter = itertools.count()
+        self.step_s = 0.0  # wall time spent in step()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, executor: Executor | None = None) -> LLMEngine:
@@ -179,6 +180,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; one output per user request that changed."""
+        start = time.perf_counter()
         core_outputs = self.core.step()
         changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
         stopped: list[str] = []
@@ -196,6 +198,7 @@ class LLMEngine:
             results.append(self._make_output(tracked, deltas))
             if tracked.finished:
                 self._forget(tracked)
+        self.step_s += time.perf_counter() - start
         return results
 
     def _process(
@@ -301,4 +304,10 @@ class LLMEngine:
         return len(self._tracked)
 
     def stats(self) -> dict[str, Any]:
-        return self.core.stats()
+        """Scheduler counters, and where the steps' time went: ``host_share`` is
+        the part of the steps' wall time the host was not waiting for the
+        device (scheduling, input preparation, launches, detokenization)."""
+        core = self.core.stats()
+        host_s = max(0.0, self.step_s - core["device_wait_s"])
+        return {**core, "step_s": self.step_s, "host_s": host_s,
+                "host_share": host_s / self.step_s if self.step_s > 0 else 0.0}

@@ -4,7 +4,9 @@
 and returns ``(normed, x + residual)`` so the caller keeps the sum as the
 next residual (one pass instead of two, the shape a fused kernel will take).
 The arithmetic follows Hugging Face's LlamaRMSNorm: statistics in float32,
-cast back to the input dtype before the weight multiply.
+cast back to the input dtype before the weight multiply. With ``use_triton``
+(see ``layers/custom_ops.py``) both forms run the Triton kernels of
+``kernels/rms_norm.py``, imported only then; the torch code stays the oracle.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
+        self.use_triton = False
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)  # [hidden_size]
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,6 +45,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            from kvserve.kernels.rms_norm import add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         summed = residual + x

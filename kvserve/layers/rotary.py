@@ -6,6 +6,11 @@ Owns the inverse frequencies for ``rope_type`` ``"default"`` and ``"llama3"``
 step's ``positions``. Rotation follows Hugging Face's ``rotate_half`` (neox)
 convention: the first and second halves of each head form the pairs. Models
 build one instance and share it across layers, so the cache exists once.
+
+With ``use_triton`` (see ``layers/custom_ops.py``) the rotation runs in the
+Triton kernel of ``kernels/rotary.py``, imported only then, which rotates q
+and k in place (they are views of the step's packed qkv, read by nothing
+else) and computes in float32; the torch code stays the oracle.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = int(head_dim * float(rope_parameters.get("partial_rotary_factor", 1.0)))
         self.max_position = max_position
+        self.use_triton = False
         inv_freq = compute_inv_freq(self.rotary_dim, rope_parameters)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_position, rotary_dim // 2]
@@ -86,7 +92,13 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` [num_tokens] int64; ``q``/``k`` either ``[num_tokens, heads * head_dim]``
-        or ``[num_tokens, heads, head_dim]``. Returns new tensors of the input shapes."""
+        or ``[num_tokens, heads, head_dim]``. Returns new tensors of the input shapes, or,
+        with ``use_triton``, ``q`` and ``k`` themselves, rotated in place."""
+        if self.use_triton:
+            from kvserve.kernels.rotary import apply_rotary
+
+            apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim, self.rotary_dim)
+            return q, k
         num_tokens = positions.shape[0]
         cos_sin = self.cos_sin_cache.index_select(0, positions)  # [num_tokens, rotary_dim]
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, rotary_dim // 2]

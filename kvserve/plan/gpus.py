@@ -2,7 +2,8 @@
 
 Owns the spec-sheet numbers of a few common GPUs (dense rates, never the
 2:4-sparsity figures vendors print beside them) and their lookup by name.
-Pure data: no torch, no device queries — `plan` runs on any machine.
+Pure data: no torch, no device queries — `plan` runs on any machine; a
+benchmark that queried its card's name looks the card up here.
 """
 
 from __future__ import annotations
@@ -75,3 +76,32 @@ def get_gpu(name: str) -> GpuSpec:
     if key not in GPUS:
         raise ValueError(f"unknown GPU '{name}'; known: {', '.join(sorted(GPUS))}")
     return GPUS[key]
+
+
+# the words of the name CUDA reports (``torch.cuda.get_device_name``) -> table name;
+# cards whose bandwidth differs from every row (H100 NVL, A100 PCIe, GH200) match none
+_DEVICE_NAME_WORDS: tuple[tuple[frozenset[str], str], ...] = tuple(
+    (frozenset(words.split()), name) for words, name in (
+        ("h200", "h200"),
+        ("h100 hbm3", "h100-sxm"),
+        ("h100 sxm5", "h100-sxm"),
+        ("h100 pcie", "h100-pcie"),
+        ("b200", "b200"),
+        ("a100 sxm4 80gb", "a100-80gb"),
+        ("a100 sxm4 40gb", "a100-40gb"),
+        ("l40s", "l40s"),
+        ("rtx 4090", "rtx-4090"),
+        ("rtx 4000 ada", "rtx-4000-ada"),
+        ("rtx 3080", "rtx-3080"),
+    )
+)
+
+
+def gpu_for_device_name(device_name: str) -> GpuSpec | None:
+    """The table's entry for a card by the name CUDA reports ("NVIDIA H100 80GB
+    HBM3", "NVIDIA H200"), or None when no entry matches it exactly."""
+    words = set(device_name.lower().replace("-", " ").split())
+    for required, name in _DEVICE_NAME_WORDS:
+        if required <= words:
+            return GPUS[name]
+    return None

@@ -29,17 +29,9 @@ def create_model_runner(config: EngineConfig) -> ModelRunner:
     dtype = resolve_dtype(config.dtype, config.model_config, device)
     torch.manual_seed(config.seed)
     start = time.perf_counter()
-    runner = ModelRunner.create(
-        config.model_config,
-        config.cache_config,
-        config.scheduler_config,
-        config.model_path,
-        config.load_format,
-        device,
-        dtype,
-        config.seed,
-        config.attention_backend,
-    )
-    logger.info("model %s loaded on %s in %s in %.1f s", config.model, device, dtype,
-                time.perf_counter() - start)
+    runner = ModelRunner.create(config, device, dtype)
+    logger.info("model %s ready on %s in %s in %.1f s (%s attention, %s)", config.model, device,
+                dtype, time.perf_counter() - start, config.attention_backend,
+                f"CUDA graphs for {len(runner.cuda_graph_sizes)} decode sizes"
+                if runner.cuda_graph_sizes else "eager")
     return runner

@@ -1,35 +1,46 @@
 """The model runner: turns a ``SchedulerOutput`` into one forward pass and a
 ``ModelRunnerOutput``.
 
-It keeps a persistent state per request (token ids, block ids, sampling
-params and the request's random generator) updated from the scheduler's
-diffs, flattens the step's tokens of all requests into one batch, builds the
-attention metadata once, runs the model, computes logits only at the last
-position of each request that has caught up with its tokens, and samples.
-It owns the model and the KV cache tensors; it knows nothing about queues,
-budgets or text.
+It keeps a persistent state per request (token ids, a row of the host block
+tables, sampling params and the request's random generator) updated from the
+scheduler's diffs, flattens the step's tokens of all requests into one batch
+in persistent buffers, builds the attention metadata once, runs the model
+(a decode step replays a CUDA graph when one is captured), computes logits
+only at the last position of each request that has caught up with its
+tokens, and samples. At start-up it profiles a largest step to size the KV
+cache. It owns the model, the KV cache tensors and the graphs; it knows
+nothing about queues, budgets or text.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvserve.attention.backend import get_attention_backend
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.layers.attention import bind_kv_cache
+from kvserve.layers.custom_ops import set_triton_ops
 from kvserve.models.loader import load_model
 from kvserve.models.registry import CausalLM
-from kvserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
-from kvserve.worker.kv_cache import allocate_kv_caches
+from kvserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
+from kvserve.worker.cuda_graph import DecodeGraphs
+from kvserve.worker.input_batch import BlockTables, StepBuffers
+from kvserve.worker.kv_cache import (
+    allocate_kv_caches,
+    allocate_scratch_kv_caches,
+    check_weights_fit,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +54,8 @@ class RunnerRequestState:
     token_ids: list[int]  # prompt + output, extended with each sampled token
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    block_ids: list[int]
     num_computed_tokens: int
+    row: int | None  # its row of the block tables; None while preempted
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -53,7 +64,7 @@ class RunnerRequestState:
 
 @dataclass
 class StepInputs:
-    """The flattened batch of one step."""
+    """The flattened batch of one step (device tensors are views of ``StepBuffers``)."""
 
     request_ids: list[str]
     input_ids: torch.Tensor  # [num_tokens]
@@ -62,6 +73,17 @@ class StepInputs:
     # requests that sample this step, and the row of their last token
     sample_request_ids: list[str]
     logits_indices: torch.Tensor  # [num_sample_requests]
+    # the CUDA graph size this step replays (None: eager)
+    graph_size: int | None
+
+
+def largest_step_query_lens(sched: SchedulerConfig) -> list[int]:
+    """Query lengths of the largest step the scheduler can form: as many
+    tokens as the budget allows, in as few requests as ``max_model_len``
+    permits (the longest attention), never more than ``max_num_seqs``."""
+    num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * sched.max_model_len)
+    num_reqs = -(-num_tokens // sched.max_model_len)
+    return [num_tokens // num_reqs + (i < num_tokens % num_reqs) for i in range(num_reqs)]
 
 
 class ModelRunner:
@@ -76,6 +98,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         attention_backend: str = "torch",
+        cuda_graph_sizes: tuple[int, ...] = (),
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -85,55 +108,162 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = cache_config.block_size
         self.backend = get_attention_backend(attention_backend)
+        # the fused Triton small ops go with the Triton attention backend on
+        # CUDA; the torch backend keeps the whole forward as the reference
+        if device.type == "cuda" and attention_backend == "triton":
+            set_triton_ops(model, True)
         self.sampler = Sampler()
         self.states: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
+        use_graphs = (device.type == "cuda" and bool(cuda_graph_sizes)
+                      and self.backend.supports_cuda_graphs)
+        self.cuda_graph_sizes = cuda_graph_sizes if use_graphs else ()
+        max_num_reqs = scheduler_config.max_num_seqs
+        max_blocks_per_req = -(-scheduler_config.max_model_len // self.block_size)
+        self.block_tables = BlockTables(max_num_reqs, max_blocks_per_req)
+        max_num_tokens = max(scheduler_config.max_num_batched_tokens,
+                             max(self.cuda_graph_sizes, default=0))
+        self.buffers = StepBuffers(max_num_tokens, max_num_reqs, max_blocks_per_req, device)
+        self.graphs: DecodeGraphs | None = None
 
     @classmethod
     def create(
         cls,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig,
-        model_path: str | None,
-        load_format: str,
+        config: EngineConfig,
         device: torch.device,
         dtype: torch.dtype,
-        seed: int,
-        attention_backend: str = "torch",
     ) -> ModelRunner:
-        """Load the model and allocate the KV cache."""
+        """Load the model, profile a largest step, allocate the KV cache, capture graphs."""
+        check_weights_fit(config.model_config, dtype, device,
+                          config.cache_config.gpu_memory_utilization)
+        start = time.perf_counter()
         model = load_model(
-            model_config,
-            Path(model_path) if model_path else None,
-            load_format,
+            config.model_config,
+            Path(config.model_path) if config.model_path else None,
+            config.load_format,
             dtype,
             device,
-            seed=seed,
+            seed=config.seed,
         )
         model.eval()
-        runner = cls(model_config, cache_config, scheduler_config, model, device, dtype,
-                     attention_backend)
+        weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        logger.info("weights: %.2f GB in %s, loaded in %.1f s", weights_bytes / 1e9, dtype,
+                    time.perf_counter() - start)
+        start = time.perf_counter()
+        runner = cls(config.model_config, config.cache_config, config.scheduler_config, model,
+                     device, dtype, config.attention_backend, config.cuda_graph_sizes)
         runner.initialize_kv_cache()
+        runner.capture_cuda_graphs()
+        logger.info("startup after loading weights (profile, KV cache, graphs): %.1f s",
+                    time.perf_counter() - start)
         return runner
 
     def initialize_kv_cache(self) -> None:
+        reserved = self.profile_peak_step_bytes() if self.device.type == "cuda" else 0
         self.kv_caches, self.num_kv_blocks = allocate_kv_caches(
-            self.model_config, self.cache_config, self.scheduler_config, self.device, self.dtype
+            self.model_config, self.cache_config, self.scheduler_config, self.device,
+            self.dtype, reserved,
         )
         bind_kv_cache(self.model, self.kv_caches, self.backend)
+
+    def capture_cuda_graphs(self) -> None:
+        if not self.cuda_graph_sizes:
+            return
+        self.graphs = DecodeGraphs(self.model, self.buffers, self.cuda_graph_sizes,
+                                   self.scheduler_config.max_model_len)
+        self.graphs.capture()
+
+    # ------------------------------------------------------------ profiling
+
+    @torch.inference_mode()
+    def profile_peak_step_bytes(self) -> int:
+        """Device memory a largest step needs beyond the weights, measured.
+
+        Runs one dummy step of ``max_num_batched_tokens`` tokens (spread over
+        requests of at most ``max_model_len``), logits and sampling with
+        top-k/top-p for ``max_num_seqs`` rows, then a largest decode batch;
+        with CUDA graphs the decode peak is counted again, since the graphs'
+        pool is kept apart from the allocator. Runs against a one-block
+        scratch cache: every query reads the null block and writes nothing.
+        """
+        sched = self.scheduler_config
+        query_lens = largest_step_query_lens(sched)
+        num_tokens, num_reqs = sum(query_lens), len(query_lens)
+        scratch = allocate_scratch_kv_caches(self.model_config, self.cache_config, self.device,
+                                             self.dtype)
+        bind_kv_cache(self.model, scratch, self.backend)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_step(query_lens, sample_rows=sched.max_num_seqs)
+        torch.cuda.synchronize(self.device)
+        prefill_peak = torch.cuda.max_memory_allocated(self.device) - base
+        decode_size = max(self.cuda_graph_sizes, default=0)
+        decode_peak = 0
+        if decode_size:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._dummy_step([1] * decode_size, sample_rows=decode_size)
+            torch.cuda.synchronize(self.device)
+            decode_peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch  # the layers keep it (two blocks each) until the real caches are bound
+        torch.cuda.empty_cache()
+        logger.info(
+            "profiled peak step: %.2f GB (%d tokens over %d requests, %d sampled rows)%s",
+            prefill_peak / 1e9, num_tokens, num_reqs, sched.max_num_seqs,
+            f"; CUDA graph reserve {decode_peak / 1e9:.2f} GB" if decode_size else "",
+        )
+        return int(prefill_peak + decode_peak)
+
+    def _dummy_step(self, query_lens: list[int], sample_rows: int) -> None:
+        """One forward over prompts of ``query_lens`` tokens, then logits and
+        top-k/top-p sampling of ``sample_rows`` rows; reads only the null block."""
+        num_tokens, num_reqs = sum(query_lens), len(query_lens)
+        query_start_loc = [0, *itertools.accumulate(query_lens)]
+        max_blocks = -(-max(query_lens) // self.block_size)
+        metadata = AttentionMetadata(
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(query_lens),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=self.device),
+            block_table=torch.full((num_reqs, max_blocks), NULL_BLOCK_ID, dtype=torch.int32,
+                                   device=self.device),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=query_lens,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in query_lens])
+        hidden = self.model(input_ids, positions, metadata)
+        rows = torch.arange(sample_rows, device=self.device) % num_tokens
+        logits = self.model.compute_logits(hidden[rows])
+        params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=i)
+                  for i in range(sample_rows)]
+        batch = SamplingBatch.build(
+            params, [[0]] * sample_rows, [[]] * sample_rows, [None] * sample_rows,
+            self.model_config.vocab_size, self.device,
+        )
+        self.sampler(logits, batch)
 
     # ------------------------------------------------------------ state
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
-            self.states.pop(request_id, None)
+            state = self.states.pop(request_id, None)
+            if state is not None and state.row is not None:
+                self.block_tables.free(state.row)
         for request_id in scheduler_output.preempted_request_ids:
-            if request_id in self.states:
-                self.states[request_id].block_ids = []
+            state = self.states.get(request_id)
+            if state is not None and state.row is not None:
+                self.block_tables.free(state.row)
+                state.row = None
         for new in scheduler_output.new_requests:
             old = self.states.get(new.request_id)
+            if old is not None and old.row is not None:
+                self.block_tables.free(old.row)
             generator = old.generator if old is not None else self._make_generator(new)
             self.states[new.request_id] = RunnerRequestState(
                 request_id=new.request_id,
@@ -141,78 +271,65 @@ class ModelRunner:
                 token_ids=list(new.all_token_ids),
                 sampling_params=new.sampling_params,
                 generator=generator,
-                block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                row=self.block_tables.add(list(new.block_ids)),
             )
         for cached in scheduler_output.cached_requests:
             state = self.states[cached.request_id]
-            state.block_ids.extend(cached.new_block_ids)
+            if state.row is None:
+                raise RuntimeError(f"request {cached.request_id} resumed without its blocks")
+            self.block_tables.append(state.row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _make_generator(self, new: NewRequestData) -> torch.Generator | None:
         seed = new.sampling_params.seed
         if seed is None:
             return None
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed)
-        return generator
+        return make_generator(seed, self.device)
 
     # ------------------------------------------------------------ inputs
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
-        request_ids = list(scheduler_output.num_scheduled_tokens)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        sample_request_ids: list[str] = []
-        logits_indices: list[int] = []
-        bs = self.block_size
-        for request_id in request_ids:
-            state = self.states[request_id]
-            start = state.num_computed_tokens
-            end = start + scheduler_output.num_scheduled_tokens[request_id]
-            input_ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            blocks = state.block_ids
-            slots.extend(blocks[pos // bs] * bs + pos % bs for pos in range(start, end))
-            query_start_loc.append(len(input_ids))
-            seq_lens.append(end)
-            if end == len(state.token_ids):
-                sample_request_ids.append(request_id)
-                logits_indices.append(len(input_ids) - 1)
-        max_blocks = max(len(self.states[r].block_ids) for r in request_ids)
-        block_table = [
-            (ids := self.states[r].block_ids) + [NULL_BLOCK_ID] * (max_blocks - len(ids))
-            for r in request_ids
-        ]
+        scheduled = scheduler_output.num_scheduled_tokens
+        request_ids = list(scheduled)
+        states = [self.states[r] for r in request_ids]
+        num_reqs = len(states)
+        num_computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)
+        num_scheduled = np.fromiter((scheduled[r] for r in request_ids), np.int64, num_reqs)
+        num_total = np.fromiter((len(s.token_ids) for s in states), np.int64, num_reqs)
+        rows = np.fromiter((s.row for s in states), np.int64, num_reqs)
+        token_chunks = [s.token_ids[s.num_computed_tokens:s.num_computed_tokens + scheduled[r]]
+                        for s, r in zip(states, request_ids, strict=True)]
+        graph_size = None
+        if self.graphs is not None and int(num_scheduled.max()) == 1:
+            graph_size = self.graphs.padded_size(num_reqs)
+        host = self.buffers.fill(
+            token_chunks, num_computed, num_scheduled, num_total, rows, self.block_tables,
+            self.block_size, graph_size or num_reqs,
+        )
+        b = self.buffers
+        max_blocks = int(self.block_tables.num_blocks[rows].max())
         metadata = AttentionMetadata(
-            num_reqs=len(request_ids),
-            num_tokens=len(input_ids),
-            max_query_len=max(b - a for a, b in itertools.pairwise(query_start_loc)),
-            max_seq_len=max(seq_lens),
-            query_start_loc=self._to_device(query_start_loc, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_table=self._to_device(block_table, torch.int32),
-            slot_mapping=self._to_device(slots, torch.int64),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
+            num_reqs=num_reqs,
+            num_tokens=host.num_tokens,
+            max_query_len=host.max_query_len,
+            max_seq_len=host.max_seq_len,
+            query_start_loc=b.query_start_loc[: num_reqs + 1],
+            seq_lens=b.seq_lens[:num_reqs],
+            block_table=b.block_table[:num_reqs, :max_blocks],
+            slot_mapping=b.slot_mapping[: host.num_tokens],
+            query_start_loc_cpu=host.query_start_loc.tolist(),
+            seq_lens_cpu=host.seq_lens.tolist(),
         )
         return StepInputs(
             request_ids=request_ids,
-            input_ids=self._to_device(input_ids, torch.int64),
-            positions=self._to_device(positions, torch.int64),
+            input_ids=b.input_ids[: host.num_tokens],
+            positions=b.positions[: host.num_tokens],
             metadata=metadata,
-            sample_request_ids=sample_request_ids,
-            logits_indices=self._to_device(logits_indices, torch.int64),
+            sample_request_ids=[request_ids[i] for i in host.sample_rows],
+            logits_indices=b.logits_indices[: len(host.sample_rows)],
+            graph_size=graph_size,
         )
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
 
     # ------------------------------------------------------------ step
 
@@ -223,14 +340,9 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
-        for request_id in inputs.request_ids:
-            state = self.states[request_id]
-            state.num_computed_tokens += scheduler_output.num_scheduled_tokens[request_id]
-        if not inputs.sample_request_ids:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         states = [self.states[r] for r in inputs.sample_request_ids]
+        # built before the forward is queued: its small host-to-device copies
+        # would otherwise wait for the whole forward to finish
         batch = SamplingBatch.build(
             [s.sampling_params for s in states],
             [s.prompt_token_ids for s in states],
@@ -238,15 +350,28 @@ class ModelRunner:
             [s.generator for s in states],
             self.model_config.vocab_size,
             self.device,
-        )
+        ) if states else None
+        if inputs.graph_size is not None and self.graphs is not None:
+            logits = self.graphs.replay(inputs.graph_size)[inputs.logits_indices]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            logits = None
+        for request_id in inputs.request_ids:
+            state = self.states[request_id]
+            state.num_computed_tokens += scheduler_output.num_scheduled_tokens[request_id]
+        if batch is None:
+            return ModelRunnerOutput()
+        if logits is None:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sampled = self.sampler(logits, batch)
         return self._make_output(states, sampled)
 
     def _make_output(
         self, states: list[RunnerRequestState], sampled: SamplerOutput
     ) -> ModelRunnerOutput:
-        token_ids = sampled.sampled_token_ids.tolist()
-        output = ModelRunnerOutput()
+        start = time.perf_counter()
+        token_ids = sampled.sampled_token_ids.tolist()  # waits for the device
+        output = ModelRunnerOutput(device_wait_s=time.perf_counter() - start)
         logprob_rows = None
         if sampled.logprobs is not None and sampled.logprob_token_ids is not None:
             logprob_rows = (

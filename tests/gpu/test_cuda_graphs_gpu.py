@@ -1,0 +1,106 @@
+"""CUDA graphs and start-up memory sizing on a CUDA device (skipped without
+one): greedy and seeded tokens identical with graphs on and off, batch 1
+equal to batch 64, graphs actually replayed, the KV pool sized from a
+profiled step, and models or contexts that cannot fit refused at once."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.worker.cuda_graph import DecodeGraphs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(rng.randint(2, 40))] for _ in range(n)]
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture
+def count_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    sizes: list[int] = []
+    original = DecodeGraphs.replay
+
+    def counting(self: DecodeGraphs, size: int) -> torch.Tensor:
+        sizes.append(size)
+        return original(self, size)
+
+    monkeypatch.setattr(DecodeGraphs, "replay", counting)
+    return sizes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_prompts", [1, 3, 17])
+def test_graphs_on_and_off_give_identical_tokens(
+    dtype: str, num_prompts: int, tiny_checkpoint: Callable[[str], Path],
+    count_replays: list[int],
+) -> None:
+    path = str(tiny_checkpoint("llama"))
+    prompts = _prompts(num_prompts)
+    kwargs = dict(model=path, dtype=dtype, device="cuda", block_size=16, max_num_seqs=32,
+                  gpu_memory_utilization=0.3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    eager = LLM(**kwargs, enforce_eager=True)
+    graphs = LLM(**kwargs)
+    assert graphs.engine.core.executor.graphs is not None  # type: ignore[attr-defined]
+    assert _tokens(graphs, prompts, greedy) == _tokens(eager, prompts, greedy)
+    assert count_replays and max(count_replays) >= num_prompts
+    assert _tokens(graphs, prompts, seeded) == _tokens(eager, prompts, seeded)
+
+
+def test_batch_1_equals_batch_64_with_graphs(tiny_checkpoint: Callable[[str], Path]) -> None:
+    llm = LLM(model=str(tiny_checkpoint("llama")), dtype="bfloat16", device="cuda",
+              max_num_seqs=64, gpu_memory_utilization=0.3)
+    prompts = _prompts(64, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    together = _tokens(llm, prompts, params)
+    alone = [_tokens(llm, [p], params)[0] for p in prompts]
+    assert together == alone
+
+
+def test_kv_pool_is_sized_from_a_profiled_step(
+    tiny_checkpoint: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvserve")
+    path = str(tiny_checkpoint("llama"))
+    small = LLM(model=path, device="cuda", gpu_memory_utilization=0.2, max_model_len=128)
+    blocks_small = small.stats()["kv_blocks_total"]
+    del small
+    torch.cuda.empty_cache()
+    large = LLM(model=path, device="cuda", gpu_memory_utilization=0.4, max_model_len=128)
+    assert large.stats()["kv_blocks_total"] > blocks_small
+    text = caplog.text
+    for needle in ("profiled peak step", "KV cache:", "weights:", "CUDA graphs:", "startup"):
+        assert needle in text, needle
+
+
+def test_a_model_that_cannot_fit_fails_at_once() -> None:
+    with pytest.raises(ValueError, match=r"weights need .* GB .*gpu_memory_utilization=0.01"):
+        LLM(model="qwen2.5-7b", load_format="dummy", dtype="bfloat16", device="cuda",
+            gpu_memory_utilization=0.01)
+
+
+def test_a_context_that_cannot_fit_names_the_largest_that_would(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    free, total = torch.cuda.mem_get_info()
+    utilization = (total - free + 64 * 2**20) / total  # about 64 MiB above what is in use
+    with pytest.raises(ValueError, match=r"max_model_len=\d+ needs \d+\. Lower max_model_len"):
+        LLM(model="qwen2.5-0.5b", load_format="dummy", dtype="bfloat16", device="cuda",
+            max_model_len=32768, gpu_memory_utilization=min(1.0, utilization + 1.2e9 / total))

@@ -1,0 +1,342 @@
+"""The fused small-op Triton kernels (RMSNorm with and without the residual
+add, SiluAndMul, rotary) on CPU under ``TRITON_INTERPRET=1``, against the
+layers' torch code, on ragged shapes: hidden sizes that are not powers of
+two, strided rows, per-head norm on views of a packed qkv, 1 to 8 heads,
+partial rotary, random positions up to ``max_position - 1``. Fresh outputs
+are allocated NaN-poisoned (``torch.empty`` is patched), and the columns
+around the rotated q/k views are NaN, so an unwritten output or a write
+outside the views shows. Then whole tiny models: hidden states with
+``set_triton_ops`` on and off.
+
+Tolerances: float32 ``1e-5``; float16 99 % of elements bit-equal (the
+interpreter rounds fp16 to nearest, so this checks the rounding sequence)
+and the rest at most two units in the last place (ulps): where a float32
+exp or sum differs from torch's in its last bit, an intermediate rounding
+(silu, normed) can flip by one ulp, which the final product turns into up
+to two ulps of its own magnitude. The interpreter casts
+float32 to bfloat16 by truncation (compiled kernels round to nearest even),
+so bfloat16 here is held to 4 ulps only; ``tests/gpu`` checks it compiled.
+Skipped like ``test_triton_kernels.py``: without Triton, with CUDA, or when
+Triton was imported without the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_fused_ops_gpu.py tests the compiled kernels",
+                allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # read by triton.jit when a kernel is decorated
+pytest.importorskip("triton")
+
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+if not isinstance(tl.zeros, InterpretedFunction):
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process; "
+                "run with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+
+from kvserve.attention.backend import get_attention_backend
+from kvserve.kernels.activation import silu_and_mul
+from kvserve.kernels.rms_norm import add_rms_norm, rms_norm
+from kvserve.kernels.rotary import apply_rotary
+from kvserve.layers.activation import SiluAndMul
+from kvserve.layers.attention import bind_kv_cache
+from kvserve.layers.custom_ops import set_triton_ops
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.models.loader import load_model
+from kvserve.models.source import resolve_model_config
+from tests.conftest import make_attention_metadata
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp32", "fp16", "bf16"]
+# bfloat16: the interpreter truncates, and two truncated roundings, each up to
+# one ulp of its intermediate, can reach four ulps of the output's magnitude
+MAX_ULPS = {torch.float16: 2.0, torch.bfloat16: 4.0}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Floating tensors from ``torch.empty`` (the launchers' outputs) start as NaN."""
+    real_empty = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        tensor = real_empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", empty)
+    yield
+
+
+def ulps(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``|out - ref|`` in units in the last place of ``ref``'s dtype at ``ref``'s magnitude."""
+    info = torch.finfo(ref.dtype)
+    ref32 = ref.float()
+    _, exponent = torch.frexp(ref32)
+    ulp = torch.ldexp(torch.full_like(ref32, info.eps), (exponent - 1).float())
+    ulp = ulp.clamp(min=info.smallest_normal * info.eps)
+    return (out.float() - ref32).abs() / ulp
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} output elements unwritten or NaN"
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        return
+    worst = ulps(out, ref).max().item()
+    assert worst <= MAX_ULPS[out.dtype], f"{worst} ulps apart"
+    if out.dtype == torch.float16:
+        equal = (out == ref).float().mean().item()
+        assert equal >= 0.99, f"only {equal:.1%} of elements bit-equal"
+
+
+def make_norm(hidden: int, dtype: torch.dtype, seed: int) -> RMSNorm:
+    generator = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.2 * torch.randn(hidden, generator=generator))
+    return norm.to(dtype)
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=generator)).to(dtype)
+
+
+def run_both(module: torch.nn.Module, *args: torch.Tensor) -> tuple[Any, Any]:
+    """The module's torch forward, then its Triton forward, on the same inputs."""
+    set_triton_ops(module, False)
+    ref = module(*args)
+    set_triton_ops(module, True)
+    return module(*args), ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("hidden", [96, 200])
+def test_rms_norm_matches_layer(dtype: torch.dtype, hidden: int) -> None:
+    norm = make_norm(hidden, dtype, seed=hidden)
+    # rows of a wider buffer: row stride hidden + 40
+    x = randn(13, hidden + 40, dtype=dtype, seed=1, scale=3.0)[:, 17 : 17 + hidden]
+    out, ref = run_both(norm, x)
+    assert out.is_contiguous()
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("hidden", [96, 200])
+def test_add_rms_norm_matches_layer(dtype: torch.dtype, hidden: int) -> None:
+    norm = make_norm(hidden, dtype, seed=hidden + 1)
+    x = randn(11, 2 * hidden, dtype=dtype, seed=2)[:, hidden:]
+    residual = randn(11, hidden, dtype=dtype, seed=3, scale=4.0)
+    (out, summed), (ref, ref_summed) = run_both(norm, x, residual)
+    # one float32 add rounded once, as torch does: bit-equal where the interpreter rounds
+    if dtype == torch.bfloat16:
+        assert ulps(summed, ref_summed).max().item() <= 1.0
+    else:
+        assert torch.equal(summed, ref_summed)
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(1, 1), (4, 2), (8, 1), (6, 3)])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_per_head_norm_on_packed_qkv_views(num_heads: int, num_kv_heads: int,
+                                           head_dim: int) -> None:
+    # Qwen3's q/k norm: [num_tokens, heads, head_dim] views of the packed qkv projection
+    # (the rounding per dtype is covered above; this checks the strided rows)
+    dtype, num_tokens = torch.float16, 7
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    qkv = randn(num_tokens, sum(sizes), dtype=dtype, seed=num_heads * head_dim, scale=2.0)
+    q, k, _ = qkv.split(sizes, dim=-1)
+    for flat, heads, seed in ((q, num_heads, 1), (k, num_kv_heads, 2)):
+        view = flat.reshape(num_tokens, heads, head_dim)
+        assert view.data_ptr() == flat.data_ptr()  # still a view, not a copy
+        out, ref = run_both(make_norm(head_dim, dtype, seed), view)
+        assert_matches(out, ref)
+
+
+def test_rms_norm_any_leading_dims() -> None:
+    norm = make_norm(40, torch.float32, seed=5)
+    for shape in ((40,), (2, 3, 4, 40)):
+        out, ref = run_both(norm, randn(*shape, dtype=torch.float32, seed=6))
+        assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("d", [96, 200, 1500])
+def test_silu_and_mul_matches_layer(dtype: torch.dtype, d: int) -> None:
+    # d = 1500 spans two column blocks of 1024; rows are strided (row stride 2d + 8)
+    x = randn(9, 2 * d + 8, dtype=dtype, seed=d, scale=4.0)[:, 8:]
+    out, ref = run_both(SiluAndMul(), x)
+    assert out.shape == (9, d) and out.is_contiguous()
+    assert_matches(out, ref)
+
+
+def test_silu_and_mul_leading_dims() -> None:
+    x = randn(2, 3, 2 * 24, dtype=torch.float16, seed=7, scale=4.0)
+    out, ref = run_both(SiluAndMul(), x)
+    assert_matches(out, ref)
+
+
+def packed_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A packed ``[q | k | v | NaN pad]`` buffer and its q, k, v views."""
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    qkv = torch.full((num_tokens, sum(sizes) + 8), float("nan"), dtype=dtype)
+    qkv[:, : sum(sizes)] = randn(num_tokens, sum(sizes), dtype=dtype, seed=seed, scale=2.0)
+    return qkv, list(qkv[:, : sum(sizes)].split(sizes, dim=-1))
+
+
+def check_rotary(rope: RotaryEmbedding, positions: torch.Tensor, qkv: torch.Tensor,
+                 q: torch.Tensor, k: torch.Tensor) -> None:
+    """Rotate q and k in place with the kernel and compare with the torch layer."""
+    qkv_before = qkv.clone()
+    set_triton_ops(rope, False)
+    # the oracle of "float32 math, one rounding": the layer on upcast inputs
+    exact_q, exact_k = (t.to(q.dtype) for t in rope(positions, q.float(), k.float()))
+    ref_q, ref_k = rope(positions, q, k)  # the layer in q's dtype (rounds cos/sin, products)
+    q_before, k_before = q.clone(), k.clone()
+    set_triton_ops(rope, True)
+    out_q, out_k = rope(positions, q, k)
+    assert out_q is q and out_k is k  # rotated in place
+    for out, exact, ref, before in ((q, exact_q, ref_q, q_before), (k, exact_k, ref_k, k_before)):
+        assert_matches(out, exact)
+        bound = 4 * torch.finfo(q.dtype).eps * ref.float().abs().max().item()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=max(bound, 1e-5))
+        # pass-through dims of partial rotary keep their bits
+        tail = (out.shape[0], -1, rope.head_dim)
+        kept = out.reshape(tail)[..., rope.rotary_dim :]
+        assert torch.equal(kept, before.reshape(tail)[..., rope.rotary_dim :])
+    # v and the NaN padding after it are untouched
+    v_start = q[0].numel() + k[0].numel()
+    torch.testing.assert_close(qkv[:, v_start:], qkv_before[:, v_start:], rtol=0, atol=0,
+                               equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(1, 1), (8, 1), (6, 3)])
+@pytest.mark.parametrize("head_dim,partial", [(16, 1.0), (64, 0.5)])
+def test_rotary_matches_layer_on_packed_views(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, partial: float
+) -> None:
+    max_position = 300
+    rope = RotaryEmbedding(head_dim, max_position,
+                           {"rope_theta": 10000.0, "partial_rotary_factor": partial})
+    generator = torch.Generator().manual_seed(num_heads * head_dim)
+    positions = torch.randint(0, max_position, (9,), generator=generator)
+    positions[:2] = torch.tensor([0, max_position - 1])
+    qkv, (q, k, _) = packed_qkv(9, num_heads, num_kv_heads, head_dim, dtype, seed=head_dim)
+    check_rotary(rope, positions, qkv, q, k)
+
+
+def test_rotary_on_per_head_shaped_inputs() -> None:
+    # after Qwen3's q/k norm, rope gets [num_tokens, heads, head_dim] tensors
+    rope = RotaryEmbedding(32, 64, {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 16})
+    qkv, (q, k, _) = packed_qkv(5, 4, 2, 32, torch.float16, seed=8)
+    positions = torch.tensor([3, 63, 0, 17, 17], dtype=torch.int32)
+    check_rotary(rope, positions, qkv, q.view(5, 4, 32), k.view(5, 2, 32))
+
+
+def test_rotary_leaves_out_of_range_positions_unrotated() -> None:
+    rope = RotaryEmbedding(16, 10, {})
+    _, (q, k, _) = packed_qkv(3, 2, 1, 16, torch.float32, seed=9)
+    q_before, k_before = q.clone(), k.clone()
+    apply_rotary(torch.tensor([-1, 10, 4]), q, k, rope.cos_sin_cache, 16, 16)
+    assert torch.equal(q[:2], q_before[:2]) and torch.equal(k[:2], k_before[:2])
+    assert not torch.equal(q[2], q_before[2])
+
+
+def test_launchers_reject_bad_inputs() -> None:
+    weight = torch.ones(16)
+    x = torch.randn(3, 16)
+    with pytest.raises(ValueError, match="x: shape"):
+        rms_norm(torch.randn(3, 15), weight, 1e-6)
+    with pytest.raises(ValueError, match=r"x: torch\.float16"):
+        rms_norm(x.half(), weight, 1e-6)
+    with pytest.raises(ValueError, match="x: last-dimension stride 2"):
+        rms_norm(torch.randn(3, 32)[:, ::2], weight, 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(2, 8), 1e-6)
+    with pytest.raises(ValueError, match="residual: shape"):
+        add_rms_norm(x, torch.randn(4, 16), weight, 1e-6)
+    with pytest.raises(ValueError, match="x: shape"):
+        silu_and_mul(torch.randn(3, 7))
+    with pytest.raises(ValueError, match="x: dtype"):
+        silu_and_mul(torch.ones(3, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="x: last-dimension stride"):
+        silu_and_mul(torch.randn(8, 3).t())
+    cache = RotaryEmbedding(16, 10, {}).cos_sin_cache
+    q, k, positions = torch.randn(2, 32), torch.randn(2, 16), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="rotary_dim=3"):
+        apply_rotary(positions, q, k, cache, 16, 3)
+    with pytest.raises(ValueError, match="positions"):
+        apply_rotary(positions.float(), q, k, cache, 16, 16)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        apply_rotary(positions, q, k, cache.half(), 16, 16)
+    with pytest.raises(ValueError, match="q: shape"):
+        apply_rotary(positions, torch.randn(2, 30), k, cache, 16, 16)
+    with pytest.raises(ValueError, match="k: shape"):
+        apply_rotary(positions, q, torch.randn(3, 16), cache, 16, 16)
+    with pytest.raises(ValueError, match="k: dtype"):
+        apply_rotary(positions, q, k.half(), cache, 16, 16)
+    with pytest.raises(ValueError, match="q: last-dimension stride"):
+        apply_rotary(positions, torch.randn(2, 64)[:, ::2], k, cache, 16, 16)
+
+
+@pytest.mark.parametrize("variant,expected_count", [
+    # per layer: 2 norms + SiluAndMul (+ Qwen3's q/k norms); the final norm; one shared rope
+    ("llama", 2 * 3 + 1 + 1),
+    ("qwen3", 3 * 5 + 1 + 1),
+])
+def test_model_hidden_states_match_with_triton_ops(
+    tiny_checkpoint: Callable[[str], Path], variant: str, expected_count: int
+) -> None:
+    config, model_path = resolve_model_config(str(tiny_checkpoint(variant)))
+    model = load_model(config, model_path, "auto", torch.float32, torch.device("cpu"))
+    assert not any(getattr(m, "use_triton", False) for m in model.modules())  # off by default
+    # a 9-token prefill and a decode at position 20, in one flattened batch
+    metadata, positions = make_attention_metadata([9, 1], [9, 21],
+                                                  [[3, 1, 7], [2, 5, 4, 6, 9, 8]], block_size=4)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, config.vocab_size, (10,), generator=generator)
+    hidden = {}
+    for enabled in (False, True):
+        assert set_triton_ops(model, enabled) == expected_count
+        caches = [torch.zeros(2, 10, 4, config.num_kv_heads, config.head_dim)
+                  for _ in range(config.num_layers)]
+        bind_kv_cache(model, caches, get_attention_backend("torch"))
+        with torch.inference_mode():
+            hidden[enabled] = model(input_ids, positions, metadata)
+    error = ((hidden[True] - hidden[False]).norm() / hidden[False].norm()).item()
+    assert error < 1e-4, f"relative error {error:.2e}"
+
+
+def test_layers_import_and_run_without_triton() -> None:
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # any `import triton` now fails
+        "import torch\n"
+        "from kvserve.layers.custom_ops import set_triton_ops\n"
+        "from kvserve.layers.norm import RMSNorm\n"
+        "norm = RMSNorm(8)\n"
+        "assert set_triton_ops(norm, False) == 1\n"
+        "norm(torch.ones(2, 8), torch.ones(2, 8))\n"
+        "try:\n"
+        "    set_triton_ops(norm, True)\n"
+        "except ImportError:\n"
+        "    print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[2], timeout=120, check=False)
+    assert result.stdout.strip() == "ok", result.stderr

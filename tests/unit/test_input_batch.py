@@ -1,0 +1,162 @@
+"""The runner's persistent step inputs: ``BlockTables`` rows updated by diffs,
+``StepBuffers.fill`` against a plain per-token construction (including the
+padding rows a CUDA graph replays), and the decode-graph path of the runner
+(padded batch, ``max_seq_len = max_model_len``, logits of every row) giving
+the same greedy tokens as eager steps, run on CPU without the capture."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import SchedulerConfig
+from kvserve.engine.args import EngineArgs, default_cuda_graph_sizes
+from kvserve.worker.cuda_graph import DecodeGraphs
+from kvserve.worker.input_batch import BlockTables, StepBuffers
+from kvserve.worker.model_runner import largest_step_query_lens
+
+
+def test_block_tables_rows_are_reused_and_bounded() -> None:
+    tables = BlockTables(max_num_reqs=2, max_blocks_per_req=3)
+    a = tables.add([5, 6])
+    b = tables.add([7])
+    assert a != b
+    tables.append(b, [8, 9])
+    assert tables.table[b].tolist() == [7, 8, 9] and tables.num_blocks[b] == 3
+    with pytest.raises(RuntimeError, match="at most 3"):
+        tables.append(a, [1, 2])
+    with pytest.raises(RuntimeError, match="rows are in use"):
+        tables.add([1])
+    tables.free(a)
+    assert tables.add([4]) == a
+    assert tables.table[a, 0] == 4 and tables.num_blocks[a] == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fill_matches_per_token_construction(seed: int) -> None:
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 4, 16])
+    max_blocks, max_reqs = 12, 8
+    tables = BlockTables(max_reqs, max_blocks)
+    buffers = StepBuffers(256, max_reqs, max_blocks, torch.device("cpu"))
+    num_reqs = rng.randint(1, 6)
+    decode = seed % 2 == 0
+    chunks, computed, scheduled, totals, rows, blocks = [], [], [], [], [], []
+    for _ in range(num_reqs):
+        total = rng.randint(1, block_size * max_blocks)
+        done = total - 1 if decode else rng.randint(0, total - 1)
+        n = 1 if decode else rng.randint(1, total - done)
+        ids = rng.sample(range(1, 1000), -(-(done + n) // block_size))
+        row = tables.add(ids[:1])
+        tables.append(row, ids[1:])
+        tokens = [rng.randrange(10_000) for _ in range(total)]
+        chunks.append(tokens[done:done + n])
+        computed.append(done)
+        scheduled.append(n)
+        totals.append(total)
+        rows.append(row)
+        blocks.append(ids)
+    padded = num_reqs + (rng.randint(0, 2) if decode else 0)
+    host = buffers.fill(chunks, np.array(computed), np.array(scheduled), np.array(totals),
+                        np.array(rows), tables, block_size, padded)
+
+    exp_ids, exp_pos, exp_slots, exp_logits, exp_sample = [], [], [], [], []
+    for i in range(num_reqs):
+        for j, pos in enumerate(range(computed[i], computed[i] + scheduled[i])):
+            exp_ids.append(chunks[i][j])
+            exp_pos.append(pos)
+            exp_slots.append(blocks[i][pos // block_size] * block_size + pos % block_size)
+        if computed[i] + scheduled[i] == totals[i]:
+            exp_sample.append(i)
+            exp_logits.append(len(exp_ids) - 1)
+    n_tok = len(exp_ids)
+    pad = padded - num_reqs
+    assert host.num_tokens == n_tok
+    assert buffers.input_ids[: n_tok + pad].tolist() == exp_ids + [0] * pad
+    assert buffers.positions[: n_tok + pad].tolist() == exp_pos + [0] * pad
+    assert buffers.slot_mapping[: n_tok + pad].tolist() == exp_slots + [-1] * pad
+    qsl = [0, *np.cumsum(scheduled).tolist()]
+    assert buffers.query_start_loc[: padded + 1].tolist() == qsl + [n_tok] * pad
+    ends = [c + s for c, s in zip(computed, scheduled)]
+    assert buffers.seq_lens[:padded].tolist() == ends + [0] * pad
+    assert host.sample_rows.tolist() == exp_sample
+    assert host.logits_indices.tolist() == exp_logits
+    assert host.max_seq_len == max(ends) and host.max_query_len == max(scheduled)
+    width = max(len(b) for b in blocks)
+    for i, ids in enumerate(blocks):
+        assert buffers.block_table[i, : len(ids)].tolist() == ids
+        assert width <= max_blocks
+
+
+def test_default_cuda_graph_sizes_cover_every_batch() -> None:
+    assert default_cuda_graph_sizes(1) == (1,)
+    assert default_cuda_graph_sizes(20) == (1, 2, 4, 8, 16, 20)
+    sizes = default_cuda_graph_sizes(256)
+    assert sizes[:5] == (1, 2, 4, 8, 16) and sizes[-1] == 256
+    assert all(b - a <= 8 for a, b in itertools.pairwise(sizes))
+    assert default_cuda_graph_sizes(4096)[-1] == 512
+
+
+def test_cuda_graph_sizes_flag_is_validated(tiny_checkpoint: Callable[[str], Path]) -> None:
+    path = str(tiny_checkpoint("llama"))
+    args = EngineArgs(model=path, attention_backend="triton", device="cuda", max_num_seqs=8,
+                      cuda_graph_sizes=[1, 9])
+    with pytest.raises(ValueError, match=r"cuda_graph_sizes=\[1, 9\].*max_num_seqs=8"):
+        args.create_engine_config()
+    args.cuda_graph_sizes = [4, 1, 4]
+    assert args.create_engine_config().cuda_graph_sizes == (1, 4)
+    args.enforce_eager = True
+    assert args.create_engine_config().cuda_graph_sizes == ()
+    eager = EngineArgs(model=path, attention_backend="torch", device="cuda")
+    assert eager.create_engine_config().cuda_graph_sizes == ()
+
+
+class _UncapturedDecodeGraphs(DecodeGraphs):
+    """The graph path without the capture: each replay runs the same forward."""
+
+    def replay(self, size: int) -> torch.Tensor:
+        self.replays.append(size)
+        return self._forward(size)
+
+    replays: list[int]
+
+
+def test_padded_decode_path_gives_eager_tokens(tiny_checkpoint: Callable[[str], Path]) -> None:
+    pytest.importorskip("triton")
+    path = str(tiny_checkpoint("llama"))
+    prompts = [[5, 17, 99, 3], [300, 12, 8, 8, 8, 19, 77], [11, 12], list(range(20, 45)),
+               [7] * 9]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kwargs = dict(model=path, block_size=4, attention_backend="triton", device="cpu")
+    eager = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params,
+                                                                    use_tqdm=False)]
+    llm = LLM(**kwargs)
+    runner = llm.engine.core.executor  # type: ignore[attr-defined]  # in-process runner
+    graphs = _UncapturedDecodeGraphs(runner.model, runner.buffers, (2, 8),
+                                     llm.engine.config.scheduler_config.max_model_len)
+    graphs.replays = []
+    runner.graphs = graphs
+    padded = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert padded == eager
+    assert 8 in graphs.replays  # five decoding requests padded to 8
+
+
+@pytest.mark.parametrize(
+    ("seqs", "budget", "max_len"), [(256, 8192, 8192), (32, 8192, 128), (4, 100, 7), (1, 16, 4096)]
+)
+def test_profiled_step_is_the_largest_the_scheduler_can_form(
+    seqs: int, budget: int, max_len: int
+) -> None:
+    sched = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget,
+                            max_model_len=max_len)
+    lens = largest_step_query_lens(sched)
+    assert sum(lens) == min(budget, seqs * max_len)
+    assert len(lens) <= seqs and max(lens) <= max_len and min(lens) >= 1
+    assert max(lens) - min(lens) <= 1
