@@ -17,9 +17,11 @@ Three kernels, each beside its launcher:
 - ``decode_attention_kernel`` handles steps where every request has one new
   token (flash-decoding). Grid ``(num_reqs, num_kv_heads, num_splits)``: a
   program owns one request's group of query heads of one KV head and one
-  contiguous slice (``partition_size`` positions) of its context, and writes
-  its partial max, sum and unnormalised output; with one split it writes the
-  normalised output directly.
+  contiguous slice of its context, and writes its partial max, sum and
+  unnormalised output; with one split it writes the normalised output
+  directly. Each request cuts its own context into equal slices, so the grid
+  depends on the batch size alone: a CUDA graph replays it for any context,
+  and an eager step of the same batch does exactly the same arithmetic.
 - ``decode_reduce_kernel`` merges the splits. Grid ``(num_reqs, num_heads)``.
 
 Scores are kept in base 2 (``scale * log2(e)`` folded into the scale) and
@@ -42,8 +44,9 @@ LOG2E = 1.4426950408889634
 # Below any real score (scores are bounded by |q||k|·scale), finite so that
 # fully masked rows give exp2(-inf - NEG_BIG) = 0 and never NaN.
 NEG_BIG = tl.constexpr(-1.0e30)
-# Decode split-K policy: aim at this many programs per SM, give each split at
-# least MIN_SPLIT_TOKENS positions, never more than MAX_SPLITS splits.
+# Decode split-K policy: aim at this many programs per SM, never more than
+# MAX_SPLITS splits; a request uses only as many splits as give each at
+# least MIN_SPLIT_TOKENS positions.
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
@@ -182,7 +185,7 @@ def prefill_attention_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["sliding_window", "partition_size", "stride_bt"])
+@triton.jit(do_not_specialize=["sliding_window", "stride_bt"])
 def decode_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -196,7 +199,6 @@ def decode_attention_kernel(
     block_table_ptr,  # [num_reqs, max_blocks] int32
     scale_log2,
     sliding_window,
-    partition_size,  # context positions per split, a multiple of BLOCK_N
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -213,6 +215,7 @@ def decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     NUM_SPLITS_IS_ONE: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
@@ -235,10 +238,17 @@ def decode_attention_kernel(
         mask=row_valid[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    split_start = split * partition_size
-    split_end = tl.minimum(split_start + partition_size, seq_len)
+    # each request cuts its own context into equal slices (a multiple of
+    # BLOCK_N, at least MIN_SPLIT positions), so the grid depends on no
+    # context length and splits past the last slice are empty
+    context_start = 0
     if USE_WINDOW:
-        split_start = tl.maximum(split_start, seq_len - sliding_window)
+        context_start = tl.maximum(0, seq_len - sliding_window)
+    context_len = seq_len - context_start
+    useful_splits = tl.minimum(num_splits, tl.maximum(1, tl.cdiv(context_len, MIN_SPLIT)))
+    partition_size = tl.cdiv(tl.cdiv(context_len, useful_splits), BLOCK_N) * BLOCK_N
+    split_start = context_start + split * partition_size
+    split_end = tl.minimum(split_start + partition_size, seq_len)
 
     m_i = tl.full([ROWS], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -428,20 +438,17 @@ def prefill_attention(
     return out
 
 
-def decode_num_splits(
-    num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = DEFAULT_NUM_SMS
-) -> int:
-    """How many context slices each (request, KV head) of a decode step gets.
+def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """How many context slices each (request, KV head) of a decode step may get.
 
     A power of two, enough for ``PROGRAMS_PER_SM * num_sms`` programs in all,
-    with at least ``MIN_SPLIT_TOKENS`` positions per split and at most
-    ``MAX_SPLITS`` splits: one split at large batch, many at batch 1 with a
-    long context.
+    at most ``MAX_SPLITS``: one split at large batch, many at batch 1. It
+    reads the batch size rounded up to a power of two, never a context
+    length, so a step padded to a CUDA graph's size splits like the same
+    step run eagerly.
     """
-    programs = max(1, num_reqs * num_kv_heads)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
-    by_length = max(1, max_seq_len // MIN_SPLIT_TOKENS)
-    splits = min(wanted, by_length, MAX_SPLITS)
+    programs = triton.next_power_of_2(max(1, num_reqs)) * num_kv_heads
+    splits = min(triton.cdiv(PROGRAMS_PER_SM * num_sms, programs), MAX_SPLITS)
     return 1 << (splits.bit_length() - 1)
 
 
@@ -479,15 +486,16 @@ def decode_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Split-K paged attention for steps where every request has at most one new token.
 
-    ``num_splits`` (default: ``decode_num_splits``) slices each context into
-    that many parts of ``partition_size`` positions; a reduce kernel merges
-    them. Every query row must be the last position of its request.
-    ``max_seq_len`` may be any upper bound of ``seq_lens`` (a CUDA graph
-    captured for reuse passes ``max_model_len`` and a fixed ``num_splits``,
-    so the frozen grid and partition size cover every later step).
+    ``num_splits`` (default: ``decode_num_splits``) is the most slices a
+    context is cut into; a request of ``n`` positions uses
+    ``min(num_splits, ceil(n / min_split_tokens))`` equal ones and a reduce
+    kernel merges them. Every query row must be the last position of its
+    request. ``max_seq_len`` may be any upper bound of ``seq_lens`` (a CUDA
+    graph captured for reuse passes ``max_model_len``).
     """
     out = _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
                         out)
@@ -502,14 +510,14 @@ def decode_attention(
     if num_tokens == 0 or num_reqs == 0 or max_seq_len < 1:
         return out
     if num_splits is None:
-        num_splits = decode_num_splits(num_reqs, num_kv_heads, max_seq_len, _num_sms(q.device))
+        num_splits = decode_num_splits(num_reqs, num_kv_heads, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits}; must be >= 1")
+    if min_split_tokens < 1:
+        raise ValueError(f"min_split_tokens={min_split_tokens}; must be >= 1")
     group = num_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
     block_n = 32 if kv_cache.dtype == torch.float32 or head_dim_pad > 128 else 64
-    partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_seq_len, partition_size)
     if num_splits > 1:
         # [num_reqs, num_heads, num_splits(, head_dim)] float32 partial results
         part_out = torch.empty((num_reqs, num_heads, num_splits, head_dim), dtype=torch.float32,
@@ -523,7 +531,7 @@ def decode_attention(
     decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_max, part_sum,
         query_start_loc, seq_lens, block_table,
-        scale * LOG2E, sliding_window or 0, partition_size,
+        scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         BLOCK_SIZE=block_size,
@@ -534,6 +542,7 @@ def decode_attention(
         BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None,
         NUM_SPLITS_IS_ONE=num_splits == 1,
+        MIN_SPLIT=min_split_tokens,
         DOT_PRECISION=_dot_precision(kv_cache.dtype),
         num_warps=4,
         num_stages=2,

@@ -76,15 +76,17 @@ def run_prefill(case: Case, sliding_window: int | None = None) -> None:
 
 
 def run_decode(case: Case, sliding_window: int | None = None,
-               num_splits: int | None = None) -> None:
+               num_splits: int | None = None, min_split_tokens: int = 16) -> torch.Tensor:
     scale = case.q.shape[-1] ** -0.5
     cache = stored_cache(case)
     out = torch.full_like(case.q, float("nan"))
     md = case.metadata
     paged_attention.decode_attention(case.q, cache, md.query_start_loc, md.seq_lens,
                                      md.block_table, md.max_seq_len, scale, sliding_window,
-                                     out=out, num_splits=num_splits)
+                                     out=out, num_splits=num_splits,
+                                     min_split_tokens=min_split_tokens)
     assert_close(out, reference(case, scale, sliding_window))
+    return out
 
 
 # a mixed batch: a fresh prefill, a decode, a chunk over a cached prefix
@@ -181,19 +183,45 @@ def test_decode_sliding_window_empty_splits(window: int) -> None:
     run_decode(case, sliding_window=window, num_splits=4)
 
 
+def test_decode_uses_at_least_min_split_tokens_per_split() -> None:
+    case = make_case([1] * 3, [20, 130, 700], 4, 2, 16, 16, torch.float32)
+    run_decode(case, num_splits=8, min_split_tokens=128)
+    run_decode(case, num_splits=8, min_split_tokens=1)
+
+
+def test_decode_output_ignores_upper_bound_and_padding() -> None:
+    """What a CUDA graph relies on: ``max_seq_len`` only an upper bound, and
+    zero-length padding requests after the real ones, leave every real row
+    bit-identical."""
+    case = make_case([1] * 3, [9, 77, 300], 4, 2, 16, 4, torch.float32)
+    exact = run_decode(case, num_splits=4)
+    scale = case.q.shape[-1] ** -0.5
+    md = case.metadata
+    pad = 2
+    q = torch.cat([case.q, torch.zeros((pad, *case.q.shape[1:]), dtype=case.q.dtype)])
+    query_start_loc = torch.cat([md.query_start_loc, md.query_start_loc[-1:].repeat(pad)])
+    seq_lens = torch.cat([md.seq_lens, torch.zeros(pad, dtype=md.seq_lens.dtype)])
+    block_table = torch.cat([md.block_table, torch.zeros((pad, md.block_table.shape[1]),
+                                                         dtype=md.block_table.dtype)])
+    out = paged_attention.decode_attention(q, stored_cache(case), query_start_loc, seq_lens,
+                                           block_table, 4096, scale, num_splits=4,
+                                           min_split_tokens=16)
+    assert torch.equal(out[:3], exact)
+
+
 def test_decode_skips_requests_with_no_new_token() -> None:
     run_decode(make_case([1, 0, 1], [5, 8, 70], 4, 2, 16, 4, torch.float32), num_splits=2)
 
 
 def test_decode_num_splits_policy() -> None:
     splits = paged_attention.decode_num_splits
-    assert splits(1, 8, 16384, 132) == 64
-    assert splits(1, 8, 1024, 132) == 8  # capped at MIN_SPLIT_TOKENS per split
-    assert splits(32, 8, 4096, 132) == 2
-    assert splits(128, 8, 16384, 132) == 1
-    assert splits(4, 8, 100, 132) == 1
+    assert splits(1, 8, 132) == 64
+    assert splits(32, 8, 132) == 2
+    assert splits(128, 8, 132) == 1
+    # a batch splits like the CUDA graph size it is padded to
+    assert splits(17, 8, 132) == splits(24, 8, 132) == splits(32, 8, 132)
     for num_reqs in (1, 3, 7, 64):
-        value = splits(num_reqs, 2, 5000, 100)
+        value = splits(num_reqs, 2, 100)
         assert value & (value - 1) == 0 and 1 <= value <= paged_attention.MAX_SPLITS
 
 
