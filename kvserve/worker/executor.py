@@ -39,6 +39,7 @@ def create_model_runner(config: EngineConfig) -> ModelRunner:
         dtype,
         config.seed,
         config.attention_backend,
+        config.lora_config,
     )
     logger.info("model %s loaded on %s in %s in %.1f s", config.model, device, dtype,
                 time.perf_counter() - start)

@@ -21,11 +21,13 @@ import torch
 
 from kvserve.attention.backend import get_attention_backend
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.layers.attention import bind_kv_cache
+from kvserve.lora.manager import LoRAManager
+from kvserve.lora.request import LoRARequest
 from kvserve.models.loader import load_model
 from kvserve.models.registry import CausalLM
 from kvserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -45,6 +47,7 @@ class RunnerRequestState:
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    lora_int_id: int = 0  # the request's LoRA adapter; 0: none
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -76,6 +79,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         attention_backend: str = "torch",
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -89,6 +93,8 @@ class ModelRunner:
         self.states: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
+        self.lora_manager = (LoRAManager(model, lora_config, device)
+                             if lora_config is not None else None)
 
     @classmethod
     def create(
@@ -102,6 +108,7 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int,
         attention_backend: str = "torch",
+        lora_config: LoRAConfig | None = None,
     ) -> ModelRunner:
         """Load the model and allocate the KV cache."""
         model = load_model(
@@ -114,7 +121,7 @@ class ModelRunner:
         )
         model.eval()
         runner = cls(model_config, cache_config, scheduler_config, model, device, dtype,
-                     attention_backend)
+                     attention_backend, lora_config)
         runner.initialize_kv_cache()
         return runner
 
@@ -123,6 +130,11 @@ class ModelRunner:
             self.model_config, self.cache_config, self.scheduler_config, self.device, self.dtype
         )
         bind_kv_cache(self.model, self.kv_caches, self.backend)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check a PEFT adapter (ValueError naming what does not fit)."""
+        assert self.lora_manager is not None, "LoRA is not enabled (lora_config is None)"
+        self.lora_manager.add_lora(lora_request)
 
     # ------------------------------------------------------------ state
 
@@ -143,6 +155,7 @@ class ModelRunner:
                 generator=generator,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                lora_int_id=new.lora_int_id,
             )
         for cached in scheduler_output.cached_requests:
             state = self.states[cached.request_id]
@@ -223,6 +236,11 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
+        if self.lora_manager is not None:
+            self.lora_manager.set_batch(
+                [self.states[r].lora_int_id for r in inputs.request_ids],
+                [scheduler_output.num_scheduled_tokens[r] for r in inputs.request_ids],
+            )
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         for request_id in inputs.request_ids:
             state = self.states[request_id]
