@@ -4,26 +4,30 @@ kvserve: the unmerged adapter must give the same float32 logits and the
 same 32 greedy tokens, for the bundled adapter (q/k/v/o) and for random
 adapters on every supported projection. Then: mixed batches (two adapters
 and none) equal their solo runs, the prefix cache keeps adapters apart,
-``max_loras=1`` makes the second adapter wait, and bad adapters fail naming
-the field."""
+``max_loras=1`` makes the second adapter wait, bad adapters fail naming the
+field, and the server lists adapters and selects one by ``model``."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.assets import DEFAULT_MODEL, LORA_ADAPTER, MODELS_DIR, bundled_model_path
 from kvserve.attention.torch_ref import TorchRefAttentionBackend
+from kvserve.cli import main as cli_main
 from kvserve.config import LoRAConfig
 from kvserve.engine.args import EngineArgs
+from kvserve.engine.client import ThreadedEngineClient
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.tokenizer import load_tokenizer
 from kvserve.layers.attention import bind_kv_cache
@@ -31,6 +35,8 @@ from kvserve.lora import LoRARequest
 from kvserve.lora.manager import LoRAManager
 from kvserve.models.loader import load_model
 from kvserve.models.source import resolve_model_config
+from kvserve.server.api import build_app
+from kvserve.server.state import ServerConfig, ServerState
 from tests.conftest import lora_tensor_name, make_attention_metadata, make_lora_adapter, merge_lora
 
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -345,3 +351,95 @@ def test_lora_request_without_enable_lora_names_the_field(tiny: Tiny) -> None:
     with pytest.raises(ValueError, match=r"lora_request: .*enable_lora=True \(--enable-lora\)"):
         llm.generate([[5, 6]], GREEDY_32, lora_request=tiny.lora_a)
     assert not llm.engine.has_unfinished_requests()
+
+
+# ------------------------------------------------------------ server
+
+
+@dataclass
+class Served:
+    state: ServerState
+    lora: LoRARequest
+    base_text: str
+    lora_text: str
+
+
+PROMPT = [5, 17, 99, 3, 250, 7, 42]
+COMPLETION: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0,
+                              "ignore_eos": True}
+
+
+def _offline_text(engine: LLMEngine, lora: LoRARequest | None) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    request_id = engine.add_request(PROMPT, params, lora_request=lora)
+    text = ""
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request_id:
+                text = output.outputs[0].text
+    return text
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Served]:
+    base = tiny_checkpoint("llama", with_tokenizer=True)
+    adapter = make_lora_adapter(base, tmp_path_factory.mktemp("served") / "adapter", seed=3)
+    lora = LoRARequest("tiny-lora", 1, str(adapter))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(base), enable_lora=True,
+                                                   max_num_seqs=4, num_kv_blocks=64))
+    engine.add_lora(lora)
+    base_text, lora_text = _offline_text(engine, None), _offline_text(engine, lora)
+    assert base_text != lora_text
+    client = ThreadedEngineClient(engine)
+    state = ServerState(ServerConfig(["tiny"], lora_requests=[lora]), engine=engine,
+                        client=client)
+    yield Served(state, lora, base_text, lora_text)
+    client.shutdown()
+
+
+def call(state: ServerState, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=build_app(state), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvserve") as client:
+            return await client.request(method, path, timeout=30, **kwargs)
+
+    return asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_server_lists_adapters_with_their_parent(served: Served) -> None:
+    cards = call(served.state, "GET", "/v1/models").json()["data"]
+    assert [c["id"] for c in cards] == ["tiny", "tiny-lora"]
+    assert cards[0]["parent"] is None
+    assert cards[1]["parent"] == "tiny" and cards[1]["root"] == served.lora.lora_path
+    card = call(served.state, "GET", "/v1/models/tiny-lora").json()
+    assert card["id"] == "tiny-lora" and card["parent"] == "tiny"
+
+
+def test_server_selects_the_adapter_by_model_name(served: Served) -> None:
+    for model, expected in (("tiny-lora", served.lora_text), ("tiny", served.base_text)):
+        result = call(served.state, "POST", "/v1/completions",
+                      json={**COMPLETION, "model": model}).json()
+        assert result["model"] == model
+        assert result["choices"][0]["text"] == expected
+    chat = call(served.state, "POST", "/v1/chat/completions", json={
+        "model": "tiny-lora", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert chat.status_code == 200 and chat.json()["model"] == "tiny-lora"
+    unknown = call(served.state, "POST", "/v1/completions", json={**COMPLETION, "model": "x"})
+    assert unknown.status_code == 404
+    error = unknown.json()["error"]
+    assert error["param"] == "model" and "tiny-lora" in error["message"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lora-modules", "a=/nowhere"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "a"], "'a' is invalid: write NAME=PATH"),
+    (["--enable-lora", "--lora-modules", "tiny=/nowhere"], "the name 'tiny' is already used"),
+    (["--enable-lora", "--lora-modules", "a=/nowhere"], "--lora-modules a: lora_path="),
+])
+def test_serve_rejects_bad_lora_modules_before_starting(
+    tiny: Tiny, capsys: pytest.CaptureFixture[str], flags: list[str], message: str,
+) -> None:
+    argv = ["serve", "--model", str(tiny.base), "--served-model-name", "tiny", *flags]
+    assert cli_main(argv) == 2
+    assert message in capsys.readouterr().err
