@@ -12,9 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.lora.request import LoRARequest
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LoRARequest", "RequestOutput",
+           "SamplingParams"]
 
 if TYPE_CHECKING:
     from kvserve.engine.args import EngineArgs

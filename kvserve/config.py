@@ -210,6 +210,20 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving: adapters resident on the device at once, and their largest rank."""
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras={self.max_loras} must be >= 1")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} must be >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, resolved and validated."""
 
@@ -217,6 +231,8 @@ class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    # None: LoRA off (keyword-only, so it may sit here with a default)
+    lora_config: LoRAConfig | None = field(default=None, kw_only=True)
     model_path: str | None
     tokenizer_path: str | None
     load_format: str

@@ -1,4 +1,4 @@
-"""Shared test helpers: tiny random Hugging Face checkpoints and attention metadata.
+"""Shared test helpers: tiny random Hugging Face checkpoints, LoRA adapters, attention metadata.
 
 ``make_tiny_checkpoint(variant, path)`` writes a seeded, few-layer checkpoint
 with ``transformers`` (float32 safetensors) for each architecture we serve;
@@ -6,13 +6,16 @@ the ``tiny_checkpoint`` fixture caches one per variant for the session.
 ``make_attention_metadata`` builds the per-step metadata for hand-made
 batches. Weights are re-drawn larger than HF's init (and biases and norm
 scales are randomised too) so attention is peaked and a wrong rope, mask or
-bias changes the logits visibly.
+bias changes the logits visibly. ``make_lora_adapter`` writes a random PEFT
+LoRA adapter for a checkpoint, ``merge_lora`` the checkpoint with an adapter
+merged into its weights (the oracle of LoRA serving).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -177,3 +180,86 @@ def make_attention_metadata(
         seq_lens_cpu=list(seq_lens),
     )
     return metadata, torch.tensor(positions, dtype=torch.int64, device=device)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LORA_PARENT = {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def _module_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """HF module name -> (in_features, out_features) of one decoder layer."""
+    hidden = hf_config["hidden_size"]
+    heads = hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim") or hidden // heads
+    kv = (hf_config.get("num_key_value_heads") or heads) * head_dim
+    inter = hf_config["intermediate_size"]
+    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter),
+            "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+def lora_tensor_name(layer: int, module: str, kind: str) -> str:
+    parent = _LORA_PARENT.get(module, "self_attn")
+    return f"base_model.model.model.layers.{layer}.{parent}.{module}.lora_{kind}.weight"
+
+
+def make_lora_adapter(
+    base: Path, path: Path, *, rank: int = 8, alpha: float = 16.0,
+    target_modules: Sequence[str] = LORA_TARGETS, seed: int = 0, std: float = 0.1,
+    **config_overrides: Any,
+) -> Path:
+    """Write a random PEFT LoRA adapter for the checkpoint ``base`` into ``path``.
+
+    Both A and B are random (PEFT initialises B to zero), so the adapter
+    changes the model's outputs visibly; ``config_overrides`` replace fields of
+    ``adapter_config.json``.
+    """
+    from safetensors.torch import save_file
+
+    hf_config = json.loads((base / "config.json").read_text())
+    shapes = _module_shapes(hf_config)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(hf_config["num_hidden_layers"]):
+        for module in target_modules:
+            in_features, out_features = shapes[module]
+            tensors[lora_tensor_name(layer, module, "A")] = std * torch.randn(
+                rank, in_features, generator=generator)
+            tensors[lora_tensor_name(layer, module, "B")] = std * torch.randn(
+                out_features, rank, generator=generator)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+        "target_modules": list(target_modules), "lora_dropout": 0.0, "bias": "none",
+        "base_model_name_or_path": str(base), "fan_in_fan_out": False, "inference_mode": True,
+        "modules_to_save": None, "use_rslora": False, "use_dora": False, **config_overrides,
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return path
+
+
+def merge_lora(base: Path, adapter: Path, path: Path) -> Path:
+    """Write ``base`` with ``W + (lora_alpha / r) * B @ A`` in every adapted
+    weight into ``path`` (float32, with the base's tokenizer files)."""
+    import transformers
+    from safetensors import safe_open
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    scaling = config["lora_alpha"] / config["r"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f, torch.no_grad():
+        for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+            if ".lora_A." not in name:
+                continue
+            lora_a = f.get_tensor(name).double()
+            lora_b = f.get_tensor(name.replace(".lora_A.", ".lora_B.")).double()
+            target = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            weight = model.get_parameter(target)
+            weight.copy_(weight.double() + scaling * (lora_b @ lora_a))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (base / name).is_file():
+            shutil.copy(base / name, path / name)
+    return path

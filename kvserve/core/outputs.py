@@ -26,6 +26,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     resumed: bool = False
+    lora_int_id: int = 0  # the request's LoRA adapter; 0: none
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Block hashes for prefix caching: a hash chained over the parent block's
-hash, the block's token ids and an extra key (a LoRA id or cache salt).
+hash, the block's token ids and extra keys (the request's cache key and its
+LoRA adapter id: KV computed under an adapter differs from the base model's).
 
 Two requests share a cached block only if their whole prefix up to and
-including that block is identical under the same extra key. BLAKE2b is
+including that block is identical under the same extra keys. BLAKE2b is
 used, not Python's ``hash``, so the value is stable across processes (for a
 prefix-aware router later) and collisions are not a practical concern.
 Pure Python: no torch here.
@@ -18,10 +19,11 @@ from kvserve.core.request import Request
 ROOT_HASH = b"kvserve-root"
 
 
-def hash_block(parent_hash: bytes, token_ids: list[int], cache_key: int) -> bytes:
+def hash_block(parent_hash: bytes, token_ids: list[int], extra_keys: tuple[int, ...]) -> bytes:
     """The chained hash of one full block."""
     digest = hashlib.blake2b(parent_hash, digest_size=16)
-    digest.update(cache_key.to_bytes(8, "little", signed=True))
+    for key in extra_keys:
+        digest.update(key.to_bytes(8, "little", signed=True))
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
 
@@ -35,5 +37,5 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
         i = len(hashes)
         parent = hashes[-1] if hashes else ROOT_HASH
         hashes.append(hash_block(parent, tokens[i * block_size:(i + 1) * block_size],
-                                 request.cache_key))
+                                 (request.cache_key, request.lora_int_id)))
     return hashes

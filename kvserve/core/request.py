@@ -85,8 +85,10 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
-    # extra key mixed into every block hash (a LoRA id, a cache salt)
+    # extra key mixed into every block hash (a cache salt)
     cache_key: int = 0
+    # the LoRA adapter the request runs with (0: none); also part of every block hash
+    lora_int_id: int = 0
     arrival_s: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:

@@ -5,9 +5,12 @@ Each step every request is handed ``num_new_tokens`` so that
 ``num_computed_tokens`` catches up with ``num_tokens``, under a token budget
 (``max_num_batched_tokens``) and a sequence budget (``max_num_seqs``).
 Running requests (decodes, unfinished prefill chunks) are served first, then
-waiting requests fill what is left. When the pool runs dry, the most recently
-admitted request (or the least important one under the priority policy) is
-preempted: its blocks are freed and it restarts from its prefix later.
+waiting requests fill what is left; with LoRA, a waiting request whose
+adapter would make the running requests use more than ``max_loras``
+adapters is passed over until one of them finishes. When the pool runs dry,
+the most recently admitted request (or the least important one under the
+priority policy) is preempted: its blocks are freed and it restarts from its
+prefix later.
 Pure Python: no torch here.
 """
 
@@ -17,7 +20,7 @@ import bisect
 import time
 from typing import Any
 
-from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.config import CacheConfig, LoRAConfig, SchedulerConfig
 from kvserve.core.block_pool import KVBlock
 from kvserve.core.kv_manager import KVCacheManager
 from kvserve.core.outputs import (
@@ -35,9 +38,12 @@ class Scheduler:
     """Decides, each step, which requests run and how many tokens each gets."""
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.config = scheduler_config
+        # the most distinct LoRA adapters the running requests may use (0: LoRA off)
+        self.max_loras = lora_config.max_loras if lora_config is not None else 0
         self.block_size = cache_config.block_size
         self.kv_manager = KVCacheManager(
             num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -141,8 +147,15 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        running_loras = {r.lora_int_id for r in self.running if r.lora_int_id}
+        index = 0
+        while (index < len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[index]
+            if (request.lora_int_id and request.lora_int_id not in running_loras
+                    and len(running_loras) >= self.max_loras):
+                index += 1  # its adapter waits for a slot; later requests may still run
+                continue
             computed: list[KVBlock] = []
             num_hit = 0
             if request.num_computed_tokens == 0:
@@ -153,8 +166,10 @@ class Scheduler:
             num_new = min(num_new, budget)
             if self.kv_manager.allocate_slots(request, num_new, computed) is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             self.running.append(request)
+            if request.lora_int_id:
+                running_loras.add(request.lora_int_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -178,6 +193,7 @@ class Scheduler:
                     block_ids=self.kv_manager.get_block_ids(request_id),
                     num_computed_tokens=request.num_computed_tokens,
                     resumed=request.num_preemptions > 0,
+                    lora_int_id=request.lora_int_id,
                 )
             )
         else:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.assets import default_model_path
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from kvserve.engine.tokenizer import has_tokenizer
 from kvserve.models.source import resolve_model_config
 
@@ -58,6 +58,9 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"
     attention_backend: str = "auto"
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
     block_size: int = 16
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
@@ -118,6 +121,8 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
             ),
+            lora_config=(LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+                         if self.enable_lora else None),
             model_path=str(path) if path is not None else None,
             tokenizer_path=str(Path(tokenizer)) if tokenizer else None,
             load_format=self.load_format,
@@ -154,6 +159,11 @@ class EngineArgs:
         group.add_argument("--seed", type=int, default=defaults.seed)
         group.add_argument("--device", default=defaults.device, choices=DEVICES)
         group.add_argument("--attention-backend", default=defaults.attention_backend)
+        group.add_argument("--enable-lora", action="store_true",
+                           help="serve LoRA adapters (LoRARequest, --lora-modules)")
+        group.add_argument("--max-loras", type=int, default=defaults.max_loras,
+                           help="adapters resident on the device at once")
+        group.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank)
         group.add_argument("--block-size", type=int, default=defaults.block_size)
         group.add_argument("--num-kv-blocks", type=int, default=None)
         group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",

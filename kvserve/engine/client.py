@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.llm_engine import LLMEngine, Prompt
 from kvserve.engine.outputs import RequestOutput
+from kvserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class EngineClient(Protocol):
 
     def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-        priority: int = 0,
+        priority: int = 0, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -94,7 +95,7 @@ class ThreadedEngineClient:
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-        priority: int = 0,
+        priority: int = 0, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes; aborts it if the
         consumer stops early (client disconnect, cancellation)."""
@@ -102,6 +103,8 @@ class ThreadedEngineClient:
         request_id = request_id or uuid.uuid4().hex
         _, token_ids = self.engine.tokenize_prompt(prompt)
         self.engine.resolve_params(len(token_ids), params)
+        if lora_request is not None:
+            self.engine.add_lora(lora_request)
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._sinks[request_id] = (loop, sink)
@@ -110,7 +113,7 @@ class ThreadedEngineClient:
             # checked again now that the sink is registered: a loop that dies
             # from here on delivers the error to it
             self._raise_if_dead()
-            self._commands.put(("add", (prompt, params, request_id, priority)))
+            self._commands.put(("add", (prompt, params, request_id, priority, lora_request)))
             while True:
                 item = await sink.get()
                 if isinstance(item, BaseException):
@@ -199,11 +202,11 @@ class ThreadedEngineClient:
 
     def _run_command(self, kind: str, payload: Any) -> None:
         if kind == "add":
-            prompt, params, request_id, priority = payload
+            prompt, params, request_id, priority, lora_request = payload
             if request_id not in self._sinks:
                 return  # the caller left before the request was queued
             try:
-                self.engine.add_request(prompt, params, request_id, priority)
+                self.engine.add_request(prompt, params, request_id, priority, lora_request)
             except ValueError as exc:
                 self._deliver(request_id, exc)
         elif kind == "abort":

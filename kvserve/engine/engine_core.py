@@ -14,6 +14,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
+from kvserve.lora.request import LoRARequest
 
 
 class Executor(Protocol):
@@ -22,6 +23,8 @@ class Executor(Protocol):
     num_kv_blocks: int
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def add_lora(self, lora_request: LoRARequest) -> None: ...
 
 
 def create_executor(config: EngineConfig) -> Executor:
@@ -39,7 +42,8 @@ class EngineCore:
         self.config = config
         self.executor = executor
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, executor.num_kv_blocks + 1
+            config.scheduler_config, config.cache_config, executor.num_kv_blocks + 1,
+            config.lora_config,
         )
         self.num_steps = 0
         self.last_step_s = time.monotonic()
@@ -47,6 +51,10 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter in the executor (once per ``lora_int_id``)."""
+        self.executor.add_lora(lora_request)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """End requests now; returns their final outputs (finish_reason "abort")."""

@@ -2,6 +2,7 @@
 
 It owns an ``LLMEngine`` and steps it until every submitted request is done,
 with a progress bar; ``chat`` goes through the tokenizer's chat template.
+With ``enable_lora=True``, ``lora_request`` runs prompts with PEFT adapters.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine, Prompt
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.tokenizer import Tokenizer
+from kvserve.lora.request import LoRARequest
 
 Message = dict[str, str]
 
@@ -41,22 +43,28 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in the order given.
 
-        A prompt is a string or a list of token ids; ``sampling_params`` is
-        one for all or one per prompt. Every prompt is validated before any
-        runs, so a bad one raises ValueError and nothing is queued.
+        A prompt is a string or a list of token ids; ``sampling_params`` and
+        ``lora_request`` (an adapter, or None for the base model) are one for
+        all or one per prompt. Every prompt and adapter is validated before
+        any runs, so a bad one raises ValueError and nothing is queued.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
-        for prompt, params in zip(prompt_list, params_list):
+        loras = _broadcast_loras(lora_request, len(prompt_list))
+        for prompt, params, lora in zip(prompt_list, params_list, loras):
             _, token_ids = self.engine.tokenize_prompt(prompt)
             self.engine.resolve_params(len(token_ids), params)
+            if lora is not None:
+                self.engine.add_lora(lora)
         request_ids = []
-        for prompt, params, prio in zip(prompt_list, params_list, priorities):
-            request_ids.append(self.engine.add_request(prompt, params, priority=prio))
+        for prompt, params, prio, lora in zip(prompt_list, params_list, priorities, loras):
+            request_ids.append(self.engine.add_request(prompt, params, priority=prio,
+                                                       lora_request=lora))
         return self._run(request_ids, use_tqdm)
 
     def chat(
@@ -65,6 +73,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them."""
         conversations = cast(
@@ -75,7 +84,7 @@ class LLM:
             self.engine.tokenizer.apply_chat_template(conversation, add_generation_prompt)
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -122,3 +131,16 @@ def _broadcast(
             f"sampling_params: {len(params)} given for {count} prompts; pass one or one per prompt"
         )
     return params
+
+
+def _broadcast_loras(
+    loras: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if loras is None or isinstance(loras, LoRARequest):
+        return [loras] * count
+    loras = list(loras)
+    if len(loras) != count:
+        raise ValueError(
+            f"lora_request: {len(loras)} given for {count} prompts; pass one or one per prompt"
+        )
+    return loras

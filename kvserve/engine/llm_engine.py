@@ -3,8 +3,9 @@
 It turns prompts into token ids, validates them, fans a request with
 ``n > 1`` out into ``n`` core requests, steps the ``EngineCore``, and turns
 token ids back into text with one incremental detokenizer per sample,
-ending a sample early when a stop string appears. ``LLM`` (offline) and the
-``EngineClient`` (server) are both built on it.
+ending a sample early when a stop string appears. A request may name a LoRA
+adapter (``LoRARequest``), loaded by the executor the first time it is seen.
+``LLM`` (offline) and the ``EngineClient`` (server) are both built on it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_core import EngineCore, Executor, create_executor
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from kvserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -129,24 +131,47 @@ class LLMEngine:
             )
         return params
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter so requests can use it (a no-op once loaded).
+
+        Raises ValueError naming the problem: LoRA not enabled, missing files,
+        an unsupported config field, tensors that do not fit the model, or a
+        ``lora_int_id`` already used by another adapter.
+        """
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request={lora_request!r} is invalid: must be a LoRARequest")
+        if self.config.lora_config is None:
+            raise ValueError(
+                f"lora_request: adapter '{lora_request.lora_name}' was given but LoRA is not "
+                "enabled; create the engine with enable_lora=True (--enable-lora)"
+            )
+        self.core.add_lora(lora_request)
+
     def add_request(
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (naming the field) if it is invalid."""
+        """Queue a request, run with ``lora_request``'s adapter if given; raises
+        ValueError (naming the field) if it is invalid."""
         request_id = request_id if request_id is not None else str(next(self._counter))
         if request_id in self._tracked:
             raise ValueError(f"request_id='{request_id}' is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         params = self.resolve_params(len(token_ids), params or SamplingParams())
+        lora_int_id = 0
+        if lora_request is not None:
+            self.add_lora(lora_request)
+            lora_int_id = lora_request.lora_int_id
         samples = []
         core_requests = []
         for index, child in enumerate(params.children()):
             core_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            core_requests.append(Request(core_id, token_ids, child, self.eos_token_ids, priority))
+            core_requests.append(Request(core_id, token_ids, child, self.eos_token_ids, priority,
+                                         lora_int_id=lora_int_id))
             samples.append(_Sample(index, core_id,
                                    IncrementalDetokenizer(self.tokenizer, token_ids, child)))
         added: list[str] = []

@@ -167,12 +167,20 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def _model_cards(state: ServerState) -> list[dict[str, Any]]:
+    """The served model's names, then its LoRA adapters (``parent``: the model,
+    ``root``: the adapter's directory), as vLLM lists them."""
     engine = state.engine
-    return [{
+    max_model_len = engine.max_model_len if engine is not None else None
+    base = [{
         "id": name, "object": "model", "created": 0, "owned_by": "kvserve",
         "root": engine.config.model if engine is not None else None, "parent": None,
-        "max_model_len": engine.max_model_len if engine is not None else None,
+        "max_model_len": max_model_len,
     } for name in state.config.served_model_names]
+    return base + [{
+        "id": lora.lora_name, "object": "model", "created": 0, "owned_by": "kvserve",
+        "root": lora.lora_path, "parent": state.config.model_name,
+        "max_model_len": max_model_len,
+    } for lora in state.config.lora_requests]
 
 
 def _add_tokenizer_routes(app: FastAPI, state: ServerState, serving: OpenAIServing) -> None:

@@ -2,11 +2,12 @@
 
 The port is bound before the weights load (probes get 503 "loading" rather
 than a refused connection); a bad ``--model`` still fails at once, because
-the engine configuration is resolved before uvicorn starts. SIGTERM (or
-Ctrl-C) drains: ``/ready`` and new requests get 503 while in-flight requests
-run for up to ``--shutdown-timeout`` seconds; the rest are aborted with
-``finish_reason: "abort"``, then the process exits 0. A second signal exits
-at once. When the engine dies (a forward raised, or one ran past
+the engine configuration is resolved before uvicorn starts (so is each
+``--lora-modules`` adapter's config; its tensors load with the model).
+SIGTERM (or Ctrl-C) drains: ``/ready`` and new requests get 503 while
+in-flight requests run for up to ``--shutdown-timeout`` seconds; the rest are
+aborted with ``finish_reason: "abort"``, then the process exits 0. A second
+signal exits at once. When the engine dies (a forward raised, or one ran past
 ``--engine-watchdog-s``) the process exits 1, without waiting for a hung
 engine thread.
 """
@@ -17,9 +18,13 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvserve import envs
+
+if TYPE_CHECKING:
+    from kvserve.lora.request import LoRARequest
 
 logger = logging.getLogger("kvserve.server")
 
@@ -50,6 +55,10 @@ def add_serve_parser(sub: Any) -> None:
                             " Only /health, /ready and /metrics stay open")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="name(s) clients use for the model (the first is reported)")
+    group.add_argument("--lora-modules", nargs="+", action="extend", default=None,
+                       metavar="NAME=PATH",
+                       help="PEFT LoRA adapters to serve (needs --enable-lora); a request "
+                            "selects one by sending its NAME as 'model'")
     group.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                        help="sequences allowed to wait beyond --max-num-seqs; above it, 503")
     group.add_argument("--max-request-body-bytes", type=int,
@@ -85,6 +94,33 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port={args.port} is invalid: must be in [0, 65535]")
 
 
+def parse_lora_modules(args: argparse.Namespace, served_names: list[str]) -> list[LoRARequest]:
+    """``--lora-modules NAME=PATH ...`` as LoRARequests with ids 1, 2, ..., each
+    adapter's ``adapter_config.json`` checked now (before the port is bound)."""
+    from kvserve.lora.peft import read_adapter_config
+    from kvserve.lora.request import LoRARequest
+
+    specs: list[str] = args.lora_modules or []
+    if specs and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    taken = set(served_names)
+    requests: list[LoRARequest] = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not (sep and name and path):
+            raise ValueError(f"--lora-modules: '{spec}' is invalid: write NAME=PATH")
+        if name in taken:
+            raise ValueError(f"--lora-modules: the name '{name}' is already used by the model "
+                             "or another adapter")
+        taken.add(name)
+        try:
+            read_adapter_config(Path(path), args.max_lora_rank)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {name}: {e}") from e
+        requests.append(LoRARequest(name, len(requests) + 1, str(Path(path).resolve())))
+    return requests
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until it is told to stop; the process exit status."""
     import uvicorn
@@ -99,8 +135,10 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_config = engine_args.create_engine_config()  # a bad --model fails here, exit 2
     faults = envs.fault_injection()
     watchdog_s = args.engine_watchdog_s or None
+    served_names = args.served_model_name or [args.model or DEFAULT_MODEL]
     config = ServerConfig(
-        served_model_names=args.served_model_name or [args.model or DEFAULT_MODEL],
+        served_model_names=served_names,
+        lora_requests=parse_lora_modules(args, served_names),
         api_keys=args.api_key or envs.kvserve_api_keys(),
         max_num_seqs=engine_config.scheduler_config.max_num_seqs,
         max_queued_requests=args.max_queued_requests,
@@ -115,6 +153,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from kvserve.server.faults import inject_faults
 
         engine = LLMEngine.from_engine_args(engine_args)
+        for lora_request in config.lora_requests:
+            engine.add_lora(lora_request)
         inject_faults(engine.core.executor, faults)
         return engine, ThreadedEngineClient(engine, watchdog_s=watchdog_s)
 

@@ -39,6 +39,7 @@ from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.client import EngineDeadError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.lora.request import LoRARequest
 from kvserve.server.metrics import RequestTimer
 from kvserve.server.protocol import (
     INTERNAL_ERROR_MESSAGE,
@@ -184,6 +185,7 @@ class Job:
     echo: bool = False
     # top logprobs per token (0 = only the sampled one); None = no logprobs
     top_logprobs: int | None = None
+    lora_request: LoRARequest | None = None  # the adapter "model" named, if any
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -376,12 +378,15 @@ class OpenAIServing:
         self.state = state
 
     def check_model(self, model: str | None) -> str:
-        """The served name to report; 404 (``param: "model"``) for an unknown one."""
-        names = self.state.config.served_model_names
-        if model is None or model in names:
+        """The served name (of the model or a LoRA adapter) to report; 404
+        (``param: "model"``) for an unknown one."""
+        config = self.state.config
+        names = config.served_model_names
+        if model is None or model in names or config.lora_request(model) is not None:
             return names[0] if model is None else model
+        served = [*names, *(lora.lora_name for lora in config.lora_requests)]
         raise APIError(404, f"The model `{model}` does not exist. Served: "
-                       f"{', '.join(names)}.", "model")
+                       f"{', '.join(served)}.", "model")
 
     async def completions(self, request: Request) -> Response:
         body = CompletionRequest.parse(
@@ -473,7 +478,7 @@ class OpenAIServing:
         return Job(chat=chat, request_id=f"{prefix}-{uuid.uuid4().hex}", model=model,
                    prompts=prompts, params=params, n=body.n, body=body,
                    timer=self.state.metrics.timer(len(prompts) * body.n),
-                   top_logprobs=top_logprobs)
+                   top_logprobs=top_logprobs, lora_request=self.state.config.lora_request(model))
 
     # ------------------------------------------------------------ serving
 
@@ -484,7 +489,7 @@ class OpenAIServing:
         assert client is not None
         merger = OutputMerger([
             client.generate(prompt.token_ids, params, request_id=request_id,
-                            priority=job.body.priority)
+                            priority=job.body.priority, lora_request=job.lora_request)
             for prompt, params, request_id in zip(job.prompts, job.params,
                                                   job.engine_request_ids)
         ])

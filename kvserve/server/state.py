@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from kvserve.lora.request import LoRARequest
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError
 
@@ -62,10 +63,16 @@ class ServerConfig:
     health_stall_s: float = 30.0
     shutdown_timeout_s: float = 20.0
     retry_after_s: int = 1
+    # LoRA adapters a request selects by naming one in "model" (--lora-modules)
+    lora_requests: list[LoRARequest] = field(default_factory=list)
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """The adapter served under the name ``model``, if any."""
+        return next((lora for lora in self.lora_requests if lora.lora_name == model), None)
 
 
 @dataclass

@@ -25,12 +25,14 @@ import torch
 
 from kvserve.attention.backend import get_attention_backend
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.layers.attention import bind_kv_cache
 from kvserve.layers.custom_ops import set_triton_ops
+from kvserve.lora.manager import LoRAManager
+from kvserve.lora.request import LoRARequest
 from kvserve.models.loader import load_model
 from kvserve.models.registry import CausalLM
 from kvserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
@@ -56,6 +58,7 @@ class RunnerRequestState:
     generator: torch.Generator | None
     num_computed_tokens: int
     row: int | None  # its row of the block tables; None while preempted
+    lora_int_id: int = 0  # the request's LoRA adapter; 0: none
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -99,6 +102,7 @@ class ModelRunner:
         dtype: torch.dtype,
         attention_backend: str = "torch",
         cuda_graph_sizes: tuple[int, ...] = (),
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -116,6 +120,9 @@ class ModelRunner:
         self.states: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
+        # wraps the LoRA-capable linears before any graph is captured
+        self.lora_manager = (LoRAManager(model, lora_config, device)
+                             if lora_config is not None else None)
         use_graphs = (device.type == "cuda" and bool(cuda_graph_sizes)
                       and self.backend.supports_cuda_graphs)
         self.cuda_graph_sizes = cuda_graph_sizes if use_graphs else ()
@@ -152,7 +159,8 @@ class ModelRunner:
                     time.perf_counter() - start)
         start = time.perf_counter()
         runner = cls(config.model_config, config.cache_config, config.scheduler_config, model,
-                     device, dtype, config.attention_backend, config.cuda_graph_sizes)
+                     device, dtype, config.attention_backend, config.cuda_graph_sizes,
+                     config.lora_config)
         runner.initialize_kv_cache()
         runner.capture_cuda_graphs()
         logger.info("startup after loading weights (profile, KV cache, graphs): %.1f s",
@@ -166,6 +174,15 @@ class ModelRunner:
             self.dtype, reserved,
         )
         bind_kv_cache(self.model, self.kv_caches, self.backend)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check a PEFT adapter (ValueError naming what does not fit)."""
+        if self.lora_manager is None:
+            raise ValueError(
+                f"lora_request '{lora_request.lora_name}': LoRA is not enabled; "
+                "start the engine with enable_lora=True (--enable-lora)"
+            )
+        self.lora_manager.add_lora(lora_request)
 
     def capture_cuda_graphs(self) -> None:
         if not self.cuda_graph_sizes:
@@ -273,6 +290,7 @@ class ModelRunner:
                 generator=generator,
                 num_computed_tokens=new.num_computed_tokens,
                 row=self.block_tables.add(list(new.block_ids)),
+                lora_int_id=new.lora_int_id,
             )
         for cached in scheduler_output.cached_requests:
             state = self.states[cached.request_id]
@@ -301,7 +319,9 @@ class ModelRunner:
         token_chunks = [s.token_ids[s.num_computed_tokens:s.num_computed_tokens + scheduled[r]]
                         for s, r in zip(states, request_ids, strict=True)]
         graph_size = None
-        if self.graphs is not None and int(num_scheduled.max()) == 1:
+        # graphs hold the base model only: a step with an adapter runs eagerly
+        if (self.graphs is not None and int(num_scheduled.max()) == 1
+                and not any(s.lora_int_id for s in states)):
             graph_size = self.graphs.padded_size(num_reqs)
         host = self.buffers.fill(
             token_chunks, num_computed, num_scheduled, num_total, rows, self.block_tables,
@@ -351,6 +371,11 @@ class ModelRunner:
             self.model_config.vocab_size,
             self.device,
         ) if states else None
+        if self.lora_manager is not None:
+            self.lora_manager.set_batch(
+                [self.states[r].lora_int_id for r in inputs.request_ids],
+                [scheduler_output.num_scheduled_tokens[r] for r in inputs.request_ids],
+            )
         if inputs.graph_size is not None and self.graphs is not None:
             logits = self.graphs.replay(inputs.graph_size)[inputs.logits_indices]
         else:

@@ -1,6 +1,7 @@
 """Scheduler, KV manager and block pool on CPU with a fake executor: the
-token-budget rule, prefix caching, preemption, rejection, and randomised
-add / abort / step runs checking the pool's invariants after every step."""
+token-budget rule, prefix caching (keyed by LoRA adapter too), the
+``max_loras`` cap, preemption, rejection, and randomised add / abort / step
+runs checking the pool's invariants after every step."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.config import CacheConfig, LoRAConfig, SchedulerConfig
 from kvserve.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.core.request import Request, RequestStatus
@@ -41,20 +42,23 @@ class FakeExecutor:
         return result
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, **kwargs: object) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, block_size: int = 4,
+                   lora_config: LoRAConfig | None = None, **kwargs: object) -> Scheduler:
     sched_kwargs = {"max_num_seqs": 8, "max_num_batched_tokens": 32, "max_model_len": 128}
     sched_kwargs.update(kwargs)  # type: ignore[arg-type]
     return Scheduler(
         SchedulerConfig(**sched_kwargs),  # type: ignore[arg-type]
         CacheConfig(block_size=block_size),
         num_blocks,
+        lora_config,
     )
 
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 8,
-                 priority: int = 0) -> Request:
+                 priority: int = 0, lora_int_id: int = 0) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return Request(request_id, prompt, params, eos_token_ids=(EOS,), priority=priority)
+    return Request(request_id, prompt, params, eos_token_ids=(EOS,), priority=priority,
+                   lora_int_id=lora_int_id)
 
 
 def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
@@ -153,6 +157,41 @@ def test_prefix_cache_hit_on_shared_prompt_and_second_turn() -> None:
     assert stats["prefix_cache_hits"] == 36
     run_to_completion(scheduler)
     assert scheduler.kv_manager.pool.num_free_blocks == scheduler.kv_manager.pool.num_usable_blocks
+
+
+def test_prefix_cache_is_keyed_by_lora_adapter() -> None:
+    scheduler = make_scheduler(block_size=4, lora_config=LoRAConfig(max_loras=2))
+    prompt = list(range(3, 19))  # 16 tokens = 4 full blocks
+    scheduler.add_request(make_request("base", prompt, max_tokens=2))
+    run_to_completion(scheduler)
+    for request_id, lora_int_id, num_cached in (("lora", 1, 0), ("lora-again", 1, 12),
+                                                ("other-lora", 2, 0), ("base-again", 0, 12)):
+        scheduler.add_request(make_request(request_id, prompt, 2, lora_int_id=lora_int_id))
+        scheduler.schedule()
+        assert scheduler.requests[request_id].num_cached_tokens == num_cached, request_id
+        run_to_completion(scheduler)
+
+
+def test_max_loras_caps_the_adapters_running_at_once() -> None:
+    scheduler = make_scheduler(lora_config=LoRAConfig(max_loras=2), max_num_batched_tokens=64)
+    adapters = {"a": 1, "b": 2, "c": 3, "d": 1, "e": 0, "f": 3}
+    prompts = {r: [3 + i, 10, 11, 12 + i] for i, r in enumerate(adapters)}
+    for request_id, lora_int_id in adapters.items():
+        scheduler.add_request(make_request(request_id, prompts[request_id], max_tokens=4,
+                                           lora_int_id=lora_int_id))
+    out = scheduler.schedule()
+    # adapter 3 waits (c and f); d (adapter 1, resident) and e (no adapter) go past it
+    assert list(out.num_scheduled_tokens) == ["a", "b", "d", "e"]
+    assert [r.lora_int_id for r in out.new_requests] == [1, 2, 1, 0]
+    executor = FakeExecutor(scheduler)
+    outputs: dict[str, list[int]] = {}
+    while scheduler.has_unfinished_requests:
+        for core_out in scheduler.update_from_output(out, executor.execute_model(out)):
+            outputs.setdefault(core_out.request_id, []).extend(core_out.new_token_ids)
+        out = scheduler.schedule()
+        check_invariants(scheduler, out)
+        assert len({r.lora_int_id for r in scheduler.running} - {0}) <= 2
+    assert outputs == {r: reference_output(p, 4) for r, p in prompts.items()}
 
 
 def test_full_prompt_hit_still_computes_last_token() -> None:
