@@ -11,6 +11,11 @@ on one H100; `--tiny` shrinks everything so the unit test runs it on a CPU in se
         # one H100 or H200: about 7 minutes; without --packages: the stdlib alone
     python scripts/train_default_model.py --tiny --out /tmp/tinyrun         # CPU, ~20 s
 
+By default (`--docstrings summary`) every multi-line docstring of the training files is
+shortened in place to its summary line before the tokenizer and models see them, so the
+model learns to reach a function's body; validation and held-out files are never rewritten.
+`--docstrings keep` trains on the files as written.
+
 The run prints progress and writes everything important to JSON. Step counts depend on the
 machine's speed when a time budget binds; pass --max-steps (and generous minutes) to repeat
 a run's schedule exactly.
@@ -25,12 +30,14 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
 import json
 import math
+import multiprocessing
 import os
 import platform
 import random
@@ -42,6 +49,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -142,7 +150,7 @@ FULL_PRESET: dict[str, Any] = {
     "alpha_windows": 100,
     "sample_new_tokens": 48,
     "log_every_s": 15.0,
-    "cpu_threads": 0,  # 0: torch's default
+    "cpu_threads": 0,  # 0: torch's default (and one docstring worker per core, up to 16)
 }
 TINY_PRESET: dict[str, Any] = {
     **FULL_PRESET,
@@ -414,6 +422,169 @@ def _ensure_nonempty(corpus: Corpus, names: tuple[str, ...], donor: str) -> None
         corpus.splits[name].sort()
 
 
+# --------------------------------------------------------------------------- docstrings
+
+DOCSTRING_OWNERS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+STRING_OPEN_RE = re.compile(r"[rRuU]?('''|\"\"\"|'|\")")
+DOCSTRING_SPLITS = ("train", "lora_train")  # --docstrings summary rewrites these only
+
+
+def _parse_quietly(text: str) -> ast.Module | None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SyntaxWarning: invalid escape sequences
+        try:
+            return ast.parse(text)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+
+
+def docstring_nodes(tree: ast.AST) -> list[ast.Constant]:
+    """The docstring literal of the module and of every class, def and async def (nested
+    ones included: a str constant as the first statement of the body), in source order.
+    Only statement blocks are visited: a def or class cannot sit inside an expression."""
+    found: list[ast.Constant] = []
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, DOCSTRING_OWNERS) and node.body:
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                found.append(first.value)
+        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+            block = getattr(node, name, None)
+            if isinstance(block, list):  # a Lambda's or IfExp's body is an expression
+                stack.extend(reversed(block))
+    return found
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.split("\n") if line.strip()), "")
+
+
+def summary_literal(source: str, value: str) -> str | None:
+    """A one-line string literal holding the first non-blank line of a docstring, with the
+    original prefix and quotes: `\"\"\"\\n    Summary.\\n\\n    More.\\n    \"\"\"` becomes
+    `\"\"\"Summary.\"\"\"`. `source` is the literal as written, `value` its str. None when the
+    source line alone does not evaluate to the value's first line exactly (escapes such as
+    a `\\n` in it, a backslash or quote at its end, implicitly concatenated literals)."""
+    match = STRING_OPEN_RE.match(source)
+    if match is None:
+        return None
+    quote = match.group(1)
+    if len(source) < match.end() + len(quote) or not source.endswith(quote):
+        return None
+    body = source[match.end() : len(source) - len(quote)]
+    literal = source[: match.end()] + _first_line(body) + quote
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            ok = ast.literal_eval(literal) == _first_line(value)
+        except (SyntaxError, ValueError):
+            ok = False
+    return literal if ok else None
+
+
+@dataclass
+class DocstringStats:
+    """What summarize_docstrings did to a set of files (summed over them)."""
+
+    files: int = 0
+    files_changed: int = 0
+    files_unparsed: int = 0  # no ast (syntax error, or a lone \r): left as they are
+    files_reverted: int = 0  # the rewrite failed its own check: left as they are
+    docstrings: int = 0
+    shortened: int = 0
+    one_line: int = 0  # already a single source line: kept
+    kept_inexact: int = 0  # summary_literal() returned None: kept
+    bytes_before: int = 0
+    bytes_after: int = 0
+    tokens_before: int = 0  # with the run's tokenizer, <|bos|> and <|eos|> included
+    tokens_after: int = 0
+
+    def add(self, other: DocstringStats) -> None:
+        for name, value in asdict(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
+
+def summarize_docstrings(text: str) -> tuple[str, DocstringStats]:
+    """Shorten every multi-line docstring of a Python source to its summary line (the first
+    non-blank one), in place: every byte outside the docstring literals stays as it is, so
+    the code, its comments and line structure after the docstring are unchanged. Found with
+    `ast` and rewritten at its exact positions; a file that does not parse is returned as
+    is, and so is one whose rewrite does not parse back to the expected docstrings."""
+    stats = DocstringStats(files=1, bytes_before=len(text.encode()))
+    stats.bytes_after = stats.bytes_before
+    tree = None if "\r" in text else _parse_quietly(text)  # \r: ast's lines != split("\n")
+    if tree is None:
+        stats.files_unparsed = 1
+        return text, stats
+    lines = text.split("\n")
+    line_start = [0]
+    for line in lines:
+        line_start.append(line_start[-1] + len(line) + 1)
+
+    def offset(lineno: int, col_bytes: int) -> int:  # ast columns count UTF-8 bytes
+        return line_start[lineno - 1] + len(lines[lineno - 1].encode()[:col_bytes].decode())
+
+    edits: list[tuple[int, int, str]] = []
+    expected: list[str] = []
+    for node in docstring_nodes(tree):
+        stats.docstrings += 1
+        value = str(node.value)
+        end_lineno, end_col = node.end_lineno, node.end_col_offset
+        if end_lineno is None or end_col is None or end_lineno == node.lineno:
+            stats.one_line += 1
+            expected.append(value)
+            continue
+        start, end = offset(node.lineno, node.col_offset), offset(end_lineno, end_col)
+        literal = summary_literal(text[start:end], value)
+        if literal is None:
+            stats.kept_inexact += 1
+            expected.append(value)
+            continue
+        edits.append((start, end, literal))
+        expected.append(_first_line(value))
+    if not edits:
+        return text, stats
+    pieces, pos = [], 0
+    for start, end, literal in sorted(edits):
+        pieces += [text[pos:start], literal]
+        pos = end
+    new = "".join([*pieces, text[pos:]])
+    new_tree = _parse_quietly(new)
+    if new_tree is None or [str(n.value) for n in docstring_nodes(new_tree)] != expected:
+        stats.files_reverted = 1
+        stats.shortened = 0
+        stats.kept_inexact += len(edits)
+        return text, stats
+    stats.files_changed = 1
+    stats.shortened = len(edits)
+    stats.bytes_after = len(new.encode())
+    return new, stats
+
+
+def summarize_split(
+    files: list[tuple[str, str]], workers: int = 1
+) -> tuple[list[tuple[str, str]], DocstringStats]:
+    """summarize_docstrings over (path, text) pairs, in order; `workers` > 1 forks that many
+    processes (pure-Python ast work: about 1 s per MB of source on one core)."""
+    texts = [text for _, text in files]
+    if workers > 1 and len(texts) > 1 and "fork" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("fork")  # before any CUDA or tokenizer thread use
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            results = list(pool.map(summarize_docstrings, texts, chunksize=16))
+    else:
+        results = [summarize_docstrings(text) for text in texts]
+    total = DocstringStats()
+    for _, stats in results:
+        total.add(stats)
+    return [(rel, new) for (rel, _), (new, _) in zip(files, results, strict=True)], total
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 
@@ -574,7 +745,6 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, bos_id: int) -> torch
     )
 
 
-@torch.no_grad()
 def eval_loss(
     model: nn.Module,
     stream: torch.Tensor,
@@ -584,6 +754,33 @@ def eval_loss(
     bos_id: int,
 ) -> float:
     """Token-weighted mean loss over non-overlapping windows (the first max_windows if > 0)."""
+    total, count, _ = eval_sums(model, stream, seq_len, batch_size, max_windows, bos_id)
+    return total / max(count, 1)
+
+
+def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
+    """UTF-8 bytes of text each token id stands for; 0 for the special tokens. Byte-level BPE
+    spells every byte as one character of its alphabet, so that is the token's length."""
+    special = {tok.token_to_id(s) for s in SPECIAL_TOKENS}
+    return np.array(
+        [0 if i in special else len(tok.id_to_token(i) or "") for i in range(tok.get_vocab_size())],
+        dtype=np.int64,
+    )
+
+
+@torch.no_grad()
+def eval_sums(
+    model: nn.Module,
+    stream: torch.Tensor,
+    seq_len: int,
+    batch_size: int,
+    max_windows: int,
+    bos_id: int,
+    byte_lens: torch.Tensor | None = None,
+) -> tuple[float, int, int]:
+    """eval_loss's summed loss (nats) and scored tokens, and the UTF-8 bytes those tokens
+    spell when byte_lens (token_byte_lengths) is given: bits per byte do not depend on the
+    tokenizer, which is trained on the (rewritten) training split."""
     was_training = model.training
     model.eval()
     num_windows = (stream.numel() - 1) // seq_len
@@ -591,7 +788,7 @@ def eval_loss(
         num_windows = min(num_windows, max_windows)
     if num_windows == 0:
         raise ValueError(f"eval stream of {stream.numel()} tokens is shorter than {seq_len + 1}")
-    total, count = torch.zeros((), device=stream.device), 0
+    total, count, num_bytes = torch.zeros((), device=stream.device), 0, 0
     offsets = torch.arange(seq_len + 1, device=stream.device)
     for first in range(0, num_windows, batch_size):
         starts = torch.arange(first, min(first + batch_size, num_windows), device=stream.device)
@@ -602,8 +799,10 @@ def eval_loss(
         n = int((labels != bos_id).sum())
         total += token_loss(logits, labels, bos_id) * n
         count += n
+        if byte_lens is not None:
+            num_bytes += int(byte_lens[labels].sum())
     model.train(was_training)
-    return float(total) / max(count, 1)
+    return float(total), count, num_bytes
 
 
 def make_optimizer(model: nn.Module, spec: PhaseSpec, device: torch.device) -> torch.optim.AdamW:
@@ -1105,6 +1304,8 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
         "in test directories or named test_* form the LoRA slice. Split by a hash of the "
         f"relative path. Training split by source: {sources}.",
         "",
+        docstring_text(corpus_info.get("docstrings") or {}),
+        "",
         "| split | files | bytes | tokens |",
         "|---|---:|---:|---:|",
     ]
@@ -1152,6 +1353,13 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
         f"{fmt(t.get('heldout_ppl'), 2)} |",
         f"| draft held-out loss / perplexity | {fmt(d.get('heldout_loss'))} / "
         f"{fmt(d.get('heldout_ppl'), 2)} |",
+        f"| target / draft held-out bits per byte (independent of the tokenizer) | "
+        f"{fmt(t.get('heldout_bits_per_byte'))} / {fmt(d.get('heldout_bits_per_byte'))} |",
+        f"| target / draft held-out loss (bits per byte), docstrings of the held-out files "
+        f"shortened to their summary line too (diagnostic) | "
+        f"{fmt(t.get('heldout_summary_loss'))} ({fmt(t.get('heldout_summary_bits_per_byte'))}) "
+        f"/ {fmt(d.get('heldout_summary_loss'))} "
+        f"({fmt(d.get('heldout_summary_bits_per_byte'))}) |",
         f"| valid Python after greedy {sig.get('new_tokens', '?')}-token completion of "
         f"{sig.get('num_prompts', '?')} held-out signatures | {fmt(sig.get('valid_share'))} |",
         f"| ... invalid because the cut fell inside a docstring / before a block's body / "
@@ -1182,6 +1390,45 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
     return "\n".join(lines)
 
 
+def docstring_text(info: dict[str, Any]) -> str:
+    """The model card's sentence on what --docstrings did to the training files."""
+    if info.get("mode") != "summary":
+        return (
+            "Docstrings: trained on as written (`--docstrings keep`); validation and held-out "
+            "files are never rewritten."
+        )
+    stats = info["stats"]
+    parts = []
+    for name in info["rewritten_splits"]:
+        st = stats[name]
+        removed = st["tokens_before"] - st["tokens_after"]
+        parts.append(
+            f"{name}: {st['shortened']:,} of {st['docstrings']:,} docstrings shortened in "
+            f"{st['files_changed']:,} of {st['files']:,} files, "
+            f"{st['bytes_before'] - st['bytes_after']:,} bytes and {removed:,} tokens "
+            f"({removed / max(st['tokens_before'], 1):.0%} of the split's tokens) removed; "
+            f"{st['one_line']:,} one-line docstrings kept, {st['kept_inexact']:,} kept because "
+            f"their first line alone is not an exact one-line literal, "
+            f"{st['files_unparsed']:,} files that do not parse left as they are"
+        )
+    return (
+        "Docstrings (`--docstrings summary`): in the training files ("
+        + " and ".join(info["rewritten_splits"])
+        + ") every multi-line docstring (module, class, def, async def, nested ones included) "
+        "is shortened to its first non-blank line, written as a one-line literal with its "
+        'original prefix and quotes (`"""\\n    Summary.\\n\\n    Parameters ..."""` '
+        'becomes `"""Summary."""`). The docstrings are found with `ast` and rewritten at '
+        "their exact positions, so every byte outside them is unchanged, and a rewritten file "
+        "must parse back to the expected docstrings or it stays as it was. Long "
+        "numpy/torch-style docstrings otherwise teach the model to spend its first lines on "
+        "prose. "
+        + "; ".join(parts)
+        + ". Token counts use this run's tokenizer. Validation and held-out files are not "
+        "rewritten: held-out loss and the signature prompts are measured on the sources as "
+        "written (the diagnostic row below rewrites the held-out files the same way)."
+    )
+
+
 def failure_counts(sig: dict[str, Any]) -> str:
     reasons = sig.get("failure_reasons") or {}
     docstring = reasons.get("cut inside a triple-quoted string", 0)
@@ -1208,6 +1455,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj")
+    p.add_argument(
+        "--docstrings",
+        choices=("summary", "keep"),
+        default="summary",
+        help="summary (default): shorten every multi-line docstring of the training files "
+        "(train and lora_train) to its first line, in place, so the model learns to reach "
+        "the body; val and held-out files stay as written. keep: train on them as written",
+    )
     p.add_argument(
         "--packages",
         default="",
@@ -1303,12 +1558,40 @@ def prepare_data(
         + f" ({deadline.elapsed():.1f}s)"
     )
     t0 = time.monotonic()
+    workers = args.cpu_threads if args.cpu_threads > 0 else min(16, os.cpu_count() or 1)
+    originals: dict[str, list[str]] = {}
+    doc_stats: dict[str, DocstringStats] = {}
+    if args.docstrings == "summary":
+        for name in DOCSTRING_SPLITS:
+            originals[name] = corpus.texts(name)
+            corpus.splits[name], doc_stats[name] = summarize_split(corpus.splits[name], workers)
+    # Never trained on: the held-out files with the same rewrite, for a second held-out loss
+    # that separates the code from the docstring prose (computed whatever --docstrings is).
+    heldout_summary, doc_stats["heldout_diagnostic"] = summarize_split(
+        corpus.splits["heldout"], workers
+    )
+    originals["heldout_diagnostic"] = corpus.texts("heldout")
+    docstrings_s = time.monotonic() - t0
+    for name, stats in doc_stats.items():
+        log(
+            f"docstrings {name}: {stats.shortened} of {stats.docstrings} shortened in "
+            f"{stats.files_changed} of {stats.files} files, {stats.bytes_before:,} -> "
+            f"{stats.bytes_after:,} bytes"
+        )
+    log(f"docstrings: --docstrings {args.docstrings}, {docstrings_s:.1f}s ({workers} workers)")
+    t0 = time.monotonic()
     tok = train_tokenizer(corpus.texts("train"), args.vocab_size)
     tokenizer_s = time.monotonic() - t0
     log(f"tokenizer: vocab {tok.get_vocab_size()} in {tokenizer_s:.1f}s")
     t0 = time.monotonic()
     streams = {name: encode_stream(tok, corpus.texts(name)) for name in corpus.splits}
+    streams["heldout_summary"] = encode_stream(tok, [text for _, text in heldout_summary])
     encode_s = time.monotonic() - t0
+    for name, stats in doc_stats.items():
+        stats.tokens_before = int(encode_stream(tok, originals[name]).size)
+        stats.tokens_after = int(
+            streams["heldout_summary" if name.startswith("heldout") else name].size
+        )
     log(
         "tokens: "
         + ", ".join(f"{k} {v.size:,}" for k, v in streams.items())
@@ -1326,7 +1609,15 @@ def prepare_data(
         "--packages files: train only (hash-ordered up to packages_max_mb); test dirs / "
         "test_* files form the LoRA slice (hash-ordered, size-capped, 10% held out, 5% "
         "val); site-packages, idlelib, lib2to3, _sysconfigdata*, generated, >400 kB and "
-        "duplicate files excluded",
+        "duplicate files excluded; --docstrings summary: every multi-line docstring (module, "
+        "class, def, async def) of the train and lora_train files shortened in place to its "
+        "first non-blank line (val and held-out files unchanged)",
+        "docstrings": {
+            "mode": args.docstrings,
+            "rewritten_splits": list(DOCSTRING_SPLITS) if args.docstrings == "summary" else [],
+            "stats": {name: asdict(stats) for name, stats in doc_stats.items()},
+            "seconds": docstrings_s,
+        },
         "max_files": args.max_files,
         "lora_max_bytes": int(args.lora_max_mb * 1e6),
         "packages_max_bytes": int(args.packages_max_mb * 1e6),
@@ -1504,7 +1795,7 @@ def evaluate_all(
     errors: dict[str, str],
 ) -> dict[str, Any]:
     device = torch.device(args.device)
-    bos_id = tok.token_to_id(BOS)
+    bos_id: int = tok.token_to_id(BOS)  # type: ignore[assignment]  # a special token: never None
     target, draft = mods["target"], mods["draft"]
     lora_model, wrapped = mods["lora"]
     res: dict[str, Any] = {}
@@ -1512,9 +1803,31 @@ def evaluate_all(
     def heldout(model: nn.Module, stream: torch.Tensor) -> float:
         return eval_loss(model, stream, args.seq_len, args.batch_size, args.heldout_windows, bos_id)
 
+    byte_lens = torch.from_numpy(token_byte_lengths(tok)).to(device)
+
+    def heldout_bpb(model: nn.Module, stream: torch.Tensor) -> tuple[float, float]:
+        nats, count, num_bytes = eval_sums(
+            model, stream, args.seq_len, args.batch_size, args.heldout_windows, bos_id, byte_lens
+        )
+        return nats / max(count, 1), nats / math.log(2) / max(num_bytes, 1)
+
     for key, model in (("target", target), ("draft", draft)):
-        loss = run_guarded(f"{key}_heldout", lambda m=model: heldout(m, dev["heldout"]), errors)
-        res[key] = {"heldout_loss": loss, "heldout_ppl": None if loss is None else math.exp(loss)}
+        loss, bpb = run_guarded(
+            f"{key}_heldout", functools.partial(heldout_bpb, model, dev["heldout"]), errors
+        ) or (None, None)
+        res[key] = {
+            "heldout_loss": loss,
+            "heldout_ppl": None if loss is None else math.exp(loss),
+            "heldout_bits_per_byte": bpb,
+        }
+        # Diagnostic: the same held-out files with their docstrings shortened to the summary
+        # line (the rewrite --docstrings summary applies to training files).
+        loss, bpb = run_guarded(
+            f"{key}_heldout_summary",
+            functools.partial(heldout_bpb, model, dev["heldout_summary"]),
+            errors,
+        ) or (None, None)
+        res[key].update(heldout_summary_loss=loss, heldout_summary_bits_per_byte=bpb)
 
     def lora_losses() -> dict[str, float]:
         set_lora_enabled(wrapped, False)
@@ -1591,6 +1904,7 @@ def main(argv: list[str] | None = None) -> int:
         "transformers_version": __import__("transformers").__version__,
         "python_version": platform.python_version(),
         "seed": args.seed,
+        "docstrings": args.docstrings,
         "vocab_size": tok.get_vocab_size(),
         "seq_len": args.seq_len,
         "max_position_embeddings": MAX_POSITIONS,

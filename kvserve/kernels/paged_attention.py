@@ -227,6 +227,21 @@ def decode_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + req)
 
+    # each request cuts its own context into equal slices (a multiple of
+    # BLOCK_N, at least MIN_SPLIT positions), so the grid depends on no
+    # context length; programs past the request's slices exit at once and
+    # the reduce never reads them
+    context_start = 0
+    if USE_WINDOW:
+        context_start = tl.maximum(0, seq_len - sliding_window)
+    context_len = seq_len - context_start
+    useful_splits = tl.minimum(num_splits, tl.maximum(1, tl.cdiv(context_len, MIN_SPLIT)))
+    if split >= useful_splits:
+        return
+    partition_size = tl.cdiv(tl.cdiv(context_len, useful_splits), BLOCK_N) * BLOCK_N
+    split_start = context_start + split * partition_size
+    split_end = tl.minimum(split_start + partition_size, seq_len)
+
     rows = tl.arange(0, ROWS)
     row_valid = rows < GROUP
     head = kv_head * GROUP + rows
@@ -238,17 +253,6 @@ def decode_attention_kernel(
         mask=row_valid[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    # each request cuts its own context into equal slices (a multiple of
-    # BLOCK_N, at least MIN_SPLIT positions), so the grid depends on no
-    # context length and splits past the last slice are empty
-    context_start = 0
-    if USE_WINDOW:
-        context_start = tl.maximum(0, seq_len - sliding_window)
-    context_len = seq_len - context_start
-    useful_splits = tl.minimum(num_splits, tl.maximum(1, tl.cdiv(context_len, MIN_SPLIT)))
-    partition_size = tl.cdiv(tl.cdiv(context_len, useful_splits), BLOCK_N) * BLOCK_N
-    split_start = context_start + split * partition_size
-    split_end = tl.minimum(split_start + partition_size, seq_len)
 
     m_i = tl.full([ROWS], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -286,41 +290,48 @@ def decode_attention_kernel(
                  mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sliding_window", "num_splits"])
 def decode_reduce_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     part_out_ptr,  # [num_reqs, num_heads, num_splits, head_dim] fp32
     part_max_ptr,  # [num_reqs, num_heads, num_splits] fp32
     part_sum_ptr,  # [num_reqs, num_heads, num_splits] fp32
     query_start_loc_ptr,  # [num_reqs + 1] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    sliding_window,
     num_splits,
     stride_out_token,
     stride_out_head,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # num_splits padded to a power of two
+    MIN_SPLIT: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
 ):
+    """Merge the request's used splits in one vectorised pass; splits the
+    attention kernel left empty are neither read nor counted."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) == q_start:
         return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len
+    if USE_WINDOW:
+        context_len = seq_len - tl.maximum(0, seq_len - sliding_window)
+    useful_splits = tl.minimum(num_splits, tl.maximum(1, tl.cdiv(context_len, MIN_SPLIT)))
+    splits = tl.arange(0, SPLITS_PAD)
+    used = splits < useful_splits
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    stat_base = (req * tl.num_programs(1) + head) * num_splits
-    m_total = tl.full([], NEG_BIG, dtype=tl.float32)
-    l_total = tl.zeros([], dtype=tl.float32)
-    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
-    for split in range(0, num_splits):
-        m_split = tl.load(part_max_ptr + stat_base + split)
-        l_split = tl.load(part_sum_ptr + stat_base + split)
-        acc_split = tl.load(part_out_ptr + (stat_base + split) * HEAD_DIM + dims, mask=dim_mask,
-                            other=0.0)
-        m_new = tl.maximum(m_total, m_split)
-        old_weight = tl.exp2(m_total - m_new)
-        split_weight = tl.exp2(m_split - m_new)
-        l_total = l_total * old_weight + l_split * split_weight
-        acc = acc * old_weight + acc_split * split_weight
-        m_total = m_new
+    stat_idx = (req * tl.num_programs(1) + head) * num_splits + splits
+    m_split = tl.load(part_max_ptr + stat_idx, mask=used, other=NEG_BIG)
+    l_split = tl.load(part_sum_ptr + stat_idx, mask=used, other=0.0)
+    acc_split = tl.load(part_out_ptr + stat_idx[:, None] * HEAD_DIM + dims[None, :],
+                        mask=used[:, None] & dim_mask[None, :], other=0.0)
+    weight = tl.exp2(m_split - tl.max(m_split, 0))  # [SPLITS_PAD]
+    l_total = tl.sum(l_split * weight, 0)
+    acc = tl.sum(acc_split * weight[:, None], 0)  # [HEAD_DIM_PAD]
     tl.store(out_ptr + q_start * stride_out_token + head * stride_out_head + dims,
              (acc / l_total).to(out_ptr.dtype.element_ty), mask=dim_mask)
 
@@ -549,9 +560,12 @@ def decode_attention(
     )
     if num_splits > 1:
         decode_reduce_kernel[(num_reqs, num_heads)](
-            out, part_out, part_max, part_sum, query_start_loc, num_splits,
-            out.stride(0), out.stride(1),
+            out, part_out, part_max, part_sum, query_start_loc, seq_lens, sliding_window or 0,
+            num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            MIN_SPLIT=min_split_tokens,
+            USE_WINDOW=sliding_window is not None,
         )
     return out

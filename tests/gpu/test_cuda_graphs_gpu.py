@@ -74,16 +74,15 @@ def test_batch_1_equals_batch_64_with_graphs(tiny_checkpoint: Callable[[str], Pa
     assert together == alone
 
 
-def test_kv_pool_is_sized_from_a_profiled_step(
-    tiny_checkpoint: Callable[[str], Path], caplog: pytest.LogCaptureFixture
-) -> None:
+def test_kv_pool_is_sized_from_a_profiled_step(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="kvserve")
-    path = str(tiny_checkpoint("llama"))
-    small = LLM(model=path, device="cuda", gpu_memory_utilization=0.2, max_model_len=128)
+    kwargs = dict(model="qwen2.5-0.5b", load_format="dummy", dtype="bfloat16", device="cuda",
+                  max_model_len=32768)
+    small = LLM(**kwargs, gpu_memory_utilization=0.2)
     blocks_small = small.stats()["kv_blocks_total"]
     del small
     torch.cuda.empty_cache()
-    large = LLM(model=path, device="cuda", gpu_memory_utilization=0.4, max_model_len=128)
+    large = LLM(**kwargs, gpu_memory_utilization=0.4)
     assert large.stats()["kv_blocks_total"] > blocks_small
     text = caplog.text
     for needle in ("profiled peak step", "KV cache:", "weights:", "CUDA graphs:", "startup"):
@@ -96,14 +95,13 @@ def test_a_model_that_cannot_fit_fails_at_once() -> None:
             gpu_memory_utilization=0.01)
 
 
-def test_a_context_that_cannot_fit_names_the_largest_that_would(
-    tiny_checkpoint: Callable[[str], Path],
-) -> None:
+def test_a_context_that_cannot_fit_names_the_largest_that_would() -> None:
     free, total = torch.cuda.mem_get_info()
-    utilization = (total - free + 64 * 2**20) / total  # about 64 MiB above what is in use
-    with pytest.raises(ValueError, match=r"max_model_len=\d+ needs \d+\. Lower max_model_len"):
+    # room for the weights (about 1 GB) and a little more, not for 32k tokens of KV (0.4 GB)
+    utilization = (total - free + 1.2e9) / total
+    with pytest.raises(ValueError, match=r"max_model_len=32768 needs 2048\. Lower max_model_len"):
         LLM(model="qwen2.5-0.5b", load_format="dummy", dtype="bfloat16", device="cuda",
-            max_model_len=32768, gpu_memory_utilization=min(1.0, utilization + 1.2e9 / total))
+            max_model_len=32768, gpu_memory_utilization=utilization)
 
 
 def test_lora_steps_run_eagerly_beside_graphed_ones(

@@ -2,15 +2,20 @@
 
 One subprocess run writes the three directories; the tests check that transformers loads
 the target and draft with the shared tokenizer and chat template, that the LoRA adapter is
-in PEFT's layout, and that the JSON logs and model card say what the issue asks for.
+in PEFT's layout, and that the JSON logs and model card say what the issue asks for. The
+docstring rewrite of the training files (`--docstrings summary`) is unit-tested on its own.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -19,7 +24,16 @@ from safetensors import safe_open
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "train_default_model.py"
 
-pytestmark = pytest.mark.slow
+
+@pytest.fixture(scope="module")
+def tdm() -> ModuleType:
+    """The script as a module (it is not a package and must not import kvserve)."""
+    spec = importlib.util.spec_from_file_location("train_default_model", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +55,7 @@ def model_dirs(out: Path) -> dict[str, Path]:
     return {key: out / name for key, name in metrics["names"].items()}
 
 
+@pytest.mark.slow
 def test_writes_the_three_directories_and_logs(run_dir: Path) -> None:
     dirs = model_dirs(run_dir)
     assert dirs["target"].name.startswith("kvserve-code-")
@@ -66,8 +81,25 @@ def test_writes_the_three_directories_and_logs(run_dir: Path) -> None:
     train = set(corpus["splits"]["train"]["files"])
     assert not train & set(corpus["splits"]["heldout"]["files"])
     assert not any("test" in f.split("/")[0] for f in train)
+    docstrings = corpus["docstrings"]  # the default, --docstrings summary
+    assert docstrings["mode"] == "summary"
+    assert docstrings["rewritten_splits"] == ["train", "lora_train"]
+    stats = docstrings["stats"]
+    assert set(stats) == {"train", "lora_train", "heldout_diagnostic"}
+    train_stats = stats["train"]
+    assert train_stats["files"] == corpus["splits"]["train"]["num_files"]
+    assert 0 < train_stats["shortened"] <= train_stats["docstrings"]
+    assert train_stats["bytes_after"] == corpus["splits"]["train"]["num_bytes"]
+    assert train_stats["bytes_before"] > train_stats["bytes_after"]
+    assert train_stats["tokens_after"] == corpus["splits"]["train"]["num_tokens"]
+    assert train_stats["tokens_before"] > train_stats["tokens_after"]
+    # held-out files are measured as written: the rewrite only feeds a diagnostic stream
+    heldout = stats["heldout_diagnostic"]
+    assert heldout["files"] == corpus["splits"]["heldout"]["num_files"]
+    assert heldout["tokens_before"] == corpus["splits"]["heldout"]["num_tokens"]
 
 
+@pytest.mark.slow
 def test_models_load_in_transformers_and_generate(run_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -99,6 +131,7 @@ def test_models_load_in_transformers_and_generate(run_dir: Path) -> None:
         ).read_text()
 
 
+@pytest.mark.slow
 def test_lora_adapter_is_in_peft_layout(run_dir: Path) -> None:
     dirs = model_dirs(run_dir)
     config = json.loads((dirs["lora"] / "adapter_config.json").read_text())
@@ -130,17 +163,257 @@ def test_lora_adapter_is_in_peft_layout(run_dir: Path) -> None:
     assert (dirs["lora"] / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_metrics_and_model_card(run_dir: Path) -> None:
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["errors"] == {}
+    assert metrics["docstrings"] == "summary"
     for key in ("target", "draft"):
         assert metrics[key]["heldout_loss"] > 0 and metrics[key]["num_params"] > 0
         assert metrics[key]["steps"] > 0
+        assert metrics[key]["heldout_bits_per_byte"] > 0
+        assert metrics[key]["heldout_summary_loss"] > 0
+        assert metrics[key]["heldout_summary_bits_per_byte"] > 0
     assert metrics["lora"]["heldout_loss_base"] > 0 and metrics["lora"]["heldout_loss_lora"] > 0
     assert 0.0 <= metrics["signature_validity"]["valid_share"] <= 1.0
     assert metrics["signature_validity"]["num_prompts"] > 0
     assert 0.0 <= metrics["acceptance"]["alpha"] <= 1.0
     assert len(metrics["samples"]) == 3
     card = (model_dirs(run_dir)["target"] / "README.md").read_text()
-    for needle in ("## Corpus", "perplexity", "acceptance", "def fibonacci(n):", "class Stack:"):
+    for needle in (
+        "## Corpus",
+        "perplexity",
+        "bits per byte",
+        "acceptance",
+        "`--docstrings summary`",
+        "def fibonacci(n):",
+        "class Stack:",
+    ):
         assert needle in card
+
+
+# --------------------------------------------------------------------------- docstring rewrite
+
+DOCSTRING_SOURCE = '''#!/usr/bin/env python
+"""Module summary.
+
+More about the module, with "quotes" and a \\d.
+"""
+
+import os
+
+SEPARATE = """not a docstring:
+an assignment"""
+
+
+class Stack:
+    \'\'\'Class summary in single quotes.
+
+    Details.
+    \'\'\'
+
+    size = 0
+
+    def push(self, item):
+        "A single-quoted one-liner stays as it is."
+        return item
+
+    def pop(self):
+        \'A single-quoted docstring continued \\
+across a line: its first line alone is not the value, so it is kept.\'
+        return None
+
+    async def drain(self):
+        """
+        Async summary after a blank first line.
+
+        Args:
+            none
+        """
+
+        def inner():
+            r"""Nested raw \\d summary
+            continues here."""
+            return "inner"  # a "comment" """
+
+        class Inner:
+            u"""Nested class.
+
+            Body."""
+
+        return inner, Inner
+
+
+def ends_with_quote():
+    """Returns "x"
+    so the one-line form would need a fourth quote: kept."""
+    text = """a string in the body
+    that is not a docstring"""
+    return text
+
+
+def code_on_the_same_line():
+    """Summary.
+
+    Details."""; value = 1  # noqa: E702
+    return value
+
+
+def empty():
+    """
+    """
+'''
+
+
+def docstring_literal(node: ast.AST) -> ast.Constant | None:
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+        doc = node.body[0] if node.body else None
+        if (
+            isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
+            return doc.value
+    return None
+
+
+def docstring_spans(source: str) -> list[tuple[int, int]]:
+    """Character spans of every docstring literal, found independently of the script."""
+    lines = source.split("\n")
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line) + 1)
+
+    def offset(lineno: int, col: int) -> int:
+        return starts[lineno - 1] + len(lines[lineno - 1].encode()[:col].decode())
+
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        doc = docstring_literal(node)
+        if doc is not None:
+            assert doc.end_lineno is not None and doc.end_col_offset is not None
+            start = offset(doc.lineno, doc.col_offset)
+            spans.append((start, offset(doc.end_lineno, doc.end_col_offset)))
+    return sorted(spans)
+
+
+def outside_docstrings(source: str) -> list[str]:
+    pieces, pos = [], 0
+    for start, end in docstring_spans(source):
+        pieces.append(source[pos:start])
+        pos = end
+    return [*pieces, source[pos:]]
+
+
+def docstrings_by_owner(source: str) -> dict[str, str | None]:
+    tree = ast.parse(source)
+    owners = [tree] + [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    return {getattr(n, "name", "<module>"): ast.get_docstring(n, clean=False) for n in owners}
+
+
+def test_summarize_docstrings_shortens_each_kind_in_place(tdm: ModuleType) -> None:
+    new, stats = tdm.summarize_docstrings(DOCSTRING_SOURCE)
+    assert docstrings_by_owner(new) == {
+        "<module>": "Module summary.",
+        "Stack": "Class summary in single quotes.",
+        "push": "A single-quoted one-liner stays as it is.",
+        "pop": "A single-quoted docstring continued across a line: its first line alone is "
+        "not the value, so it is kept.",
+        "drain": "Async summary after a blank first line.",
+        "inner": "Nested raw \\d summary",
+        "Inner": "Nested class.",
+        "ends_with_quote": 'Returns "x"\n    so the one-line form would need a fourth quote: kept.',
+        "code_on_the_same_line": "Summary.",
+        "empty": "",
+    }
+    # prefixes and quotes as written, each rewritten docstring on one line
+    for literal in (
+        '"""Module summary."""',
+        "'''Class summary in single quotes.'''",
+        '"""Async summary after a blank first line."""',
+        'r"""Nested raw \\d summary"""',
+        'u"""Nested class."""',
+        '"""Summary."""; value = 1  # noqa: E702',
+        '""""""',
+    ):
+        assert literal in new
+    # every byte outside the docstrings is unchanged, string literals in the code included
+    assert outside_docstrings(new) == outside_docstrings(DOCSTRING_SOURCE)
+    assert 'SEPARATE = """not a docstring:\nan assignment"""' in new
+    assert 'return "inner"  # a "comment" """' in new
+    assert stats.docstrings == 10
+    assert stats.shortened == 7 and stats.one_line == 1 and stats.kept_inexact == 2
+    assert stats.files_changed == 1 and stats.files_unparsed == stats.files_reverted == 0
+    assert stats.bytes_before == len(DOCSTRING_SOURCE.encode()) > stats.bytes_after
+    assert stats.bytes_after == len(new.encode())
+    again, _ = tdm.summarize_docstrings(new)
+    assert again == new  # idempotent
+
+
+def test_summarize_docstrings_keeps_unparsable_and_docstringless_files(tdm: ModuleType) -> None:
+    broken = 'def f(:\n    """Summary.\n\n    Details.\n    """\n'
+    assert tdm.summarize_docstrings(broken)[0] == broken
+    assert tdm.summarize_docstrings(broken)[1].files_unparsed == 1
+    python2 = 'def f():\n    """Summary.\n\n    More."""\n    print "x"\n'
+    assert tdm.summarize_docstrings(python2)[0] == python2
+    lone_cr = 'def f():\r    """Summary.\r\r    More."""\r    return 1\r'
+    assert tdm.summarize_docstrings(lone_cr)[0] == lone_cr
+    plain = "x = 1\n\n\ndef f():\n    return x\n"
+    new, stats = tdm.summarize_docstrings(plain)
+    assert new == plain and stats.docstrings == 0 and stats.files_changed == 0
+
+
+def test_summarize_docstrings_non_ascii_columns(tdm: ModuleType) -> None:
+    # ast columns count UTF-8 bytes; the rewrite must land on the same characters
+    head, tail = 'π = "ünïcode"; α = 1\n\n\ndef f():\n    ', '\n    return "é"\n'
+    new, stats = tdm.summarize_docstrings(head + '"""Ünïcode summary é.\n\n    Détails."""' + tail)
+    assert stats.shortened == 1
+    assert new == head + '"""Ünïcode summary é."""' + tail
+
+
+@pytest.mark.parametrize("name", ["argparse.py", "dataclasses.py", "inspect.py", "json/decoder.py"])
+def test_summarize_docstrings_on_stdlib_files(tdm: ModuleType, name: str) -> None:
+    source = (Path(sysconfig.get_paths()["stdlib"]) / name).read_text(encoding="utf-8")
+    new, stats = tdm.summarize_docstrings(source)
+    assert stats.files_changed == 1 and stats.shortened > 0
+    assert outside_docstrings(new) == outside_docstrings(source)
+    before, after = docstrings_by_owner(source), docstrings_by_owner(new)
+    assert before.keys() == after.keys()
+    for owner, doc in after.items():
+        if doc is not None:
+            assert "\n" not in doc or doc == before[owner]  # one line, or kept as written
+    # the code is the same program: equal ASTs once the docstrings are blanked
+    assert blank_docstrings(new) == blank_docstrings(source)
+
+
+def blank_docstrings(source: str) -> str:
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        doc = docstring_literal(node)
+        if doc is not None:
+            doc.value = ""
+    return ast.dump(tree)
+
+
+def test_summarize_split_with_workers_matches_one_process(tdm: ModuleType) -> None:
+    files = [(f"f{i}.py", DOCSTRING_SOURCE.replace("Stack", f"Stack{i}")) for i in range(6)]
+    files.append(("broken.py", "def f(:\n"))
+    one, one_stats = tdm.summarize_split(files, workers=1)
+    two, two_stats = tdm.summarize_split(files, workers=2)
+    assert one == two and one_stats == two_stats
+    assert [rel for rel, _ in one] == [rel for rel, _ in files]
+    assert one_stats.files == 7 and one_stats.files_unparsed == 1
+    assert one_stats.shortened == 6 * 7
+
+
+def test_token_byte_lengths_spell_the_text(tdm: ModuleType) -> None:
+    texts = ["def f(x):\n    return x  # é, 漢字\n"] * 20
+    tok = tdm.train_tokenizer(texts, 300)
+    lens = tdm.token_byte_lengths(tok)
+    ids = tok.encode(texts[0]).ids  # <|bos|> first
+    assert ids[0] == tok.token_to_id(tdm.BOS) and lens[ids[0]] == 0
+    assert int(lens[ids].sum()) == len(texts[0].encode())
