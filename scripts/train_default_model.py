@@ -50,6 +50,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -573,11 +574,15 @@ def summarize_split(
     """summarize_docstrings over (path, text) pairs, in order; `workers` > 1 forks that many
     processes (pure-Python ast work: about 1 s per MB of source on one core)."""
     texts = [text for _, text in files]
+    results: list[tuple[str, DocstringStats]] | None = None
     if workers > 1 and len(texts) > 1 and "fork" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("fork")  # before any CUDA or tokenizer thread use
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            results = list(pool.map(summarize_docstrings, texts, chunksize=16))
-    else:
+        ctx = multiprocessing.get_context("fork")  # workers only parse: no CUDA, no tokenizer
+        try:
+            with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+                results = list(pool.map(summarize_docstrings, texts, chunksize=16))
+        except (OSError, BrokenProcessPool) as err:  # same result, one process
+            log(f"docstrings: process pool failed ({err!r}), rewriting in this process")
+    if results is None:
         results = [summarize_docstrings(text) for text in texts]
     total = DocstringStats()
     for _, stats in results:
@@ -1423,7 +1428,8 @@ def docstring_text(info: dict[str, Any]) -> str:
         "numpy/torch-style docstrings otherwise teach the model to spend its first lines on "
         "prose. "
         + "; ".join(parts)
-        + ". Token counts use this run's tokenizer. Validation and held-out files are not "
+        + ". Token counts use this run's tokenizer; the table below counts the rewritten "
+        "files. Validation and held-out files are not "
         "rewritten: held-out loss and the signature prompts are measured on the sources as "
         "written (the diagnostic row below rewrites the held-out files the same way)."
     )
