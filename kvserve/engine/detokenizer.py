@@ -94,6 +94,11 @@ class IncrementalDetokenizer:
         token_ids = list(new_token_ids)
         if stop_terminated and token_ids and not self.params.include_stop_str_in_output:
             token_ids.pop()
+        if not self.stops:
+            # nothing to look for between tokens: decode them in one pass
+            self._token_ids.extend(token_ids)
+            self.output_text += self._decode_new_text(force=False)
+            return None
         for i, token_id in enumerate(token_ids):
             self._token_ids.append(token_id)
             num_old_chars = len(self.output_text)

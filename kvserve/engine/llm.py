@@ -64,7 +64,7 @@ class LLM:
         request_ids = []
         for prompt, params, prio, lora in zip(prompt_list, params_list, priorities, loras):
             request_ids.append(self.engine.add_request(prompt, params, priority=prio,
-                                                       lora_request=lora))
+                                                       lora_request=lora, final_only=True))
         return self._run(request_ids, use_tqdm)
 
     def chat(

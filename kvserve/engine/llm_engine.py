@@ -56,6 +56,9 @@ class _Tracked:
     params: SamplingParams
     samples: list[_Sample]
     metrics: RequestMetrics
+    # report only the finished request (offline generate): its text is then
+    # decoded once at the end unless stop strings must be watched each step
+    final_only: bool = False
 
     @property
     def finished(self) -> bool:
@@ -154,9 +157,12 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        final_only: bool = False,
     ) -> str:
         """Queue a request, run with ``lora_request``'s adapter if given; raises
-        ValueError (naming the field) if it is invalid."""
+        ValueError (naming the field) if it is invalid. With ``final_only``,
+        ``step`` reports the request once, when it finishes (no per-step
+        outputs or deltas), as vLLM's offline ``generate`` does."""
         request_id = request_id if request_id is not None else str(next(self._counter))
         if request_id in self._tracked:
             raise ValueError(f"request_id='{request_id}' is already in use")
@@ -184,7 +190,7 @@ class LLMEngine:
             raise
         self._tracked[request_id] = _Tracked(
             request_id, text, token_ids, params, samples,
-            RequestMetrics(arrival_s=core_requests[0].arrival_s),
+            RequestMetrics(arrival_s=core_requests[0].arrival_s), final_only,
         )
         for sample in samples:
             self._core_to_user[sample.core_request_id] = (request_id, sample.index)
@@ -220,7 +226,8 @@ class LLMEngine:
         results = []
         for user_id, deltas in changed.items():
             tracked = self._tracked[user_id]
-            results.append(self._make_output(tracked, deltas))
+            if tracked.finished or not tracked.final_only:
+                results.append(self._make_output(tracked, deltas))
             if tracked.finished:
                 self._forget(tracked)
         self.step_s += time.perf_counter() - start
@@ -239,9 +246,15 @@ class LLMEngine:
         sample.token_ids.extend(new_ids)
         if core_output.new_logprobs is not None:
             self._append_logprobs(sample, core_output)
+        detokenizer = sample.detokenizer
+        to_decode = new_ids
+        if tracked.final_only and not detokenizer.stops:
+            if core_output.finish_reason is None:
+                return "", new_ids
+            to_decode = sample.token_ids  # the whole completion, decoded once
         # a stop token's own text is left out of the output, as vLLM does
-        stop_string = sample.detokenizer.update(
-            new_ids, stop_terminated=core_output.finish_reason == "stop"
+        stop_string = detokenizer.update(
+            to_decode, stop_terminated=core_output.finish_reason == "stop"
         )
         if stop_string is not None:
             sample.finish_reason = "stop"

@@ -97,7 +97,7 @@ def test_tokenizer_splits_characters(tokenizer: HfTokenizer) -> None:
         assert any(REPLACEMENT in tokenizer.decode([i]) for i in ids), text
 
 
-@pytest.mark.parametrize("chunk", [1, 2, 3])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 1000])
 @pytest.mark.parametrize("text", TEXTS)
 def test_incremental_equals_full_decode(tokenizer: HfTokenizer, text: str, chunk: int) -> None:
     ids = tokenizer.encode(text, add_special_tokens=False)

@@ -235,3 +235,31 @@ def test_bad_models(tmp_path: Path, tiny_checkpoint: Callable[[str], Path]) -> N
     (weird / "config.json").write_text(config.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         LLM(model=str(weird))
+
+
+@pytest.mark.parametrize("stop", [None, ["\n"]])
+def test_final_only_outputs_equal_streamed_ones(
+    tokenized_checkpoint: Path, stop: list[str] | None
+) -> None:
+    """``LLM.generate`` reports each request once and decodes its text at the
+    end; text, ids and finish reasons equal those of a request stepped with
+    per-step outputs."""
+    llm = LLM(model=str(tokenized_checkpoint))
+    prompts = ["hello world", "the prompt", "a b c d"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=stop)
+    final = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    streamed: dict[str, object] = {}
+    num_outputs = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            num_outputs += 1
+            if out.finished:
+                streamed[out.request_id] = out
+    assert num_outputs > len(prompts)  # streamed requests report every step
+    for request_id, out in zip(ids, final):
+        other = streamed[request_id]
+        assert [(c.text, c.token_ids, c.finish_reason) for c in out.outputs] == [
+            (c.text, c.token_ids, c.finish_reason) for c in other.outputs  # type: ignore[attr-defined]
+        ]
