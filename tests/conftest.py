@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +263,17 @@ def merge_lora(base: Path, adapter: Path, path: Path) -> Path:
         if (base / name).is_file():
             shutil.copy(base / name, path / name)
     return path
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Floating tensors from ``torch.empty`` (kernel launchers' outputs) start as
+    NaN, so an output element a kernel never writes shows."""
+    real_empty = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        tensor = real_empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", empty)
+    yield

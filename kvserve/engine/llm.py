@@ -8,7 +8,7 @@ With ``enable_lora=True``, ``lora_request`` runs prompts with PEFT adapters.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from tqdm import tqdm
 
@@ -20,6 +20,7 @@ from kvserve.engine.tokenizer import Tokenizer
 from kvserve.lora.request import LoRARequest
 
 Message = dict[str, str]
+T = TypeVar("T")
 
 
 class LLM:
@@ -125,12 +126,7 @@ def _broadcast(
         return [SamplingParams() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(
-            f"sampling_params: {len(params)} given for {count} prompts; pass one or one per prompt"
-        )
-    return params
+    return _one_per_prompt(list(params), count, "sampling_params")
 
 
 def _broadcast_loras(
@@ -138,9 +134,12 @@ def _broadcast_loras(
 ) -> list[LoRARequest | None]:
     if loras is None or isinstance(loras, LoRARequest):
         return [loras] * count
-    loras = list(loras)
-    if len(loras) != count:
+    return _one_per_prompt(list(loras), count, "lora_request")
+
+
+def _one_per_prompt(values: list[T], count: int, field: str) -> list[T]:
+    if len(values) != count:
         raise ValueError(
-            f"lora_request: {len(loras)} given for {count} prompts; pass one or one per prompt"
+            f"{field}: {len(values)} given for {count} prompts; pass one or one per prompt"
         )
-    return loras
+    return values

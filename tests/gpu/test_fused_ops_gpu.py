@@ -17,7 +17,7 @@ interpreter on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,16 +51,8 @@ MAX_POSITION = 32768
 
 
 @pytest.fixture(autouse=True)
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Floating tensors from ``torch.empty`` (the launchers' outputs) start as NaN."""
-    real_empty = torch.empty
-
-    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        tensor = real_empty(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    monkeypatch.setattr(torch, "empty", empty)
-    yield
+def _poison_outputs(poisoned_empty: None) -> None:
+    """Every test here sees NaN-poisoned ``torch.empty`` outputs."""
 
 
 def check(out: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor | None = None) -> None:

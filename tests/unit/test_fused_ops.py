@@ -22,28 +22,18 @@ Triton was imported without the interpreter.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    pytest.skip("CUDA present: tests/gpu/test_fused_ops_gpu.py tests the compiled kernels",
-                allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # read by triton.jit when a kernel is decorated
-pytest.importorskip("triton")
+from tests.triton_interpreter import require_interpreter
 
-import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
-
-if not isinstance(tl.zeros, InterpretedFunction):
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process; "
-                "run with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+require_interpreter("tests/gpu/test_fused_ops_gpu.py")
 
 from kvserve.attention.backend import get_attention_backend
 from kvserve.kernels.activation import silu_and_mul
@@ -66,16 +56,8 @@ MAX_ULPS = {torch.float16: 2.0, torch.bfloat16: 4.0}
 
 
 @pytest.fixture(autouse=True)
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Floating tensors from ``torch.empty`` (the launchers' outputs) start as NaN."""
-    real_empty = torch.empty
-
-    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        tensor = real_empty(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    monkeypatch.setattr(torch, "empty", empty)
-    yield
+def _poison_outputs(poisoned_empty: None) -> None:
+    """Every test here sees NaN-poisoned ``torch.empty`` outputs."""
 
 
 def ulps(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

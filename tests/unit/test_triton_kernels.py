@@ -15,26 +15,15 @@ the interpreter (set ``TRITON_INTERPRET=1`` in the environment then).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    pytest.skip("CUDA present: tests/gpu/test_triton_attention_gpu.py tests the compiled kernels",
-                allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # read by triton.jit when a kernel is decorated
-pytest.importorskip("triton")
+from tests.triton_interpreter import require_interpreter
 
-import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
-
-if not isinstance(tl.zeros, InterpretedFunction):
-    # triton's own jit functions were decorated without the interpreter
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process; "
-                "run with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+require_interpreter("tests/gpu/test_triton_attention_gpu.py")
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention.backend import get_attention_backend
