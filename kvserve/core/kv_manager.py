@@ -63,6 +63,10 @@ class KVCacheManager:
         computed = new_computed_blocks or []
         held = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        if not computed and num_computed + num_new_tokens <= len(held) * self.block_size:
+            # the common decode step: the blocks held already have room
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
+            return []
         num_needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(held) - len(
             computed
         )

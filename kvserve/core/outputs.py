@@ -74,9 +74,10 @@ class ModelRunnerOutput:
     # request_id -> tokens sampled this step (empty for a partial prefill chunk)
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
-    # seconds the host spent blocked on the device for this step's results;
-    # the rest of a step's wall time is host work during which the device idles
-    device_wait_s: float = 0.0
+    # device time of the steps whose results are known by now (this one and
+    # any earlier step that sampled nothing), from its first to its last kernel;
+    # the rest of the steps' wall time is time the device waited for the host
+    device_s: float = 0.0
 
 
 @dataclass

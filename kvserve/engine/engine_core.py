@@ -47,7 +47,7 @@ class EngineCore:
         )
         self.num_steps = 0
         self.last_step_s = time.monotonic()
-        self.device_wait_s = 0.0
+        self.device_s = 0.0
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -68,7 +68,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
-        self.device_wait_s += runner_output.device_wait_s
+        self.device_s += runner_output.device_s
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         self.last_step_s = time.monotonic()
@@ -82,4 +82,4 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         return {**self.scheduler.stats(), "num_steps": self.num_steps,
-                "device_wait_s": self.device_wait_s}
+                "device_s": self.device_s}

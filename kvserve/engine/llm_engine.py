@@ -342,10 +342,11 @@ class LLMEngine:
         return len(self._tracked)
 
     def stats(self) -> dict[str, Any]:
-        """Scheduler counters, and where the steps' time went: ``host_share`` is
-        the part of the steps' wall time the host was not waiting for the
-        device (scheduling, input preparation, launches, detokenization)."""
+        """Scheduler counters, and where the steps' time went: ``device_s`` is
+        the device's time from each step's first to its last kernel,
+        ``host_share`` the rest of the steps' wall time, when the device sat
+        waiting for the host (scheduling, input preparation, output processing)."""
         core = self.core.stats()
-        host_s = max(0.0, self.step_s - core["device_wait_s"])
+        host_s = max(0.0, self.step_s - core["device_s"])
         return {**core, "step_s": self.step_s, "host_s": host_s,
                 "host_share": host_s / self.step_s if self.step_s > 0 else 0.0}

@@ -19,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -133,6 +134,8 @@ class ModelRunner:
                              max(self.cuda_graph_sizes, default=0))
         self.buffers = StepBuffers(max_num_tokens, max_num_reqs, max_blocks_per_req, device)
         self.graphs: DecodeGraphs | None = None
+        # (start, end) device timings of steps whose results are not read yet
+        self._pending_timings: list[tuple[Any, Any]] = []
 
     @classmethod
     def create(
@@ -376,6 +379,7 @@ class ModelRunner:
                 [self.states[r].lora_int_id for r in inputs.request_ids],
                 [scheduler_output.num_scheduled_tokens[r] for r in inputs.request_ids],
             )
+        start = self._mark()
         if inputs.graph_size is not None and self.graphs is not None:
             logits = self.graphs.replay(inputs.graph_size)[inputs.logits_indices]
         else:
@@ -385,18 +389,37 @@ class ModelRunner:
             state = self.states[request_id]
             state.num_computed_tokens += scheduler_output.num_scheduled_tokens[request_id]
         if batch is None:
+            self._pending_timings.append((start, self._mark()))
             return ModelRunnerOutput()
         if logits is None:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sampled = self.sampler(logits, batch)
+        self._pending_timings.append((start, self._mark()))
         return self._make_output(states, sampled)
+
+    def _mark(self) -> Any:
+        """A point in the device's timeline: a recorded CUDA event, or on the
+        CPU (where the forward runs synchronously) the host clock."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _read_timings(self) -> float:
+        """Device seconds of the steps timed so far; call once the device caught up."""
+        if self.device.type == "cuda":
+            total = sum(s.elapsed_time(e) for s, e in self._pending_timings) / 1e3
+        else:
+            total = sum(e - s for s, e in self._pending_timings)
+        self._pending_timings.clear()
+        return total
 
     def _make_output(
         self, states: list[RunnerRequestState], sampled: SamplerOutput
     ) -> ModelRunnerOutput:
-        start = time.perf_counter()
         token_ids = sampled.sampled_token_ids.tolist()  # waits for the device
-        output = ModelRunnerOutput(device_wait_s=time.perf_counter() - start)
+        output = ModelRunnerOutput(device_s=self._read_timings())
         logprob_rows = None
         if sampled.logprobs is not None and sampled.logprob_token_ids is not None:
             logprob_rows = (
