@@ -37,12 +37,13 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 def resolve_dtype(name: str, config: ModelConfig, device: torch.device | str) -> torch.dtype:
-    """``"auto"``: the checkpoint's dtype on CUDA, float32 elsewhere; or an explicit name."""
+    """``"auto"``: on CUDA the checkpoint's 16-bit dtype (a float32 checkpoint
+    runs in bfloat16, as vLLM downcasts it), float32 elsewhere; or an explicit name."""
     if name == "auto":
         if torch.device(device).type != "cuda":
             return torch.float32
-        checkpoint_dtype = config.dtype.removeprefix("torch.")
-        return _DTYPES.get(checkpoint_dtype, torch.bfloat16)
+        checkpoint_dtype = _DTYPES.get(config.dtype.removeprefix("torch."), torch.bfloat16)
+        return torch.bfloat16 if checkpoint_dtype == torch.float32 else checkpoint_dtype
     if name not in _DTYPES:
         raise ValueError(f"dtype='{name}' is not supported; allowed: auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]

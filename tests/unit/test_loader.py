@@ -222,6 +222,9 @@ def test_resolve_dtype_rules() -> None:
     assert resolve_dtype("auto", config, CPU) == torch.float32
     assert resolve_dtype("auto", config, torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("auto", resolve_model_config("llama-2-7b")[0], "cuda") == torch.float16
+    float32_checkpoint = dataclasses.replace(config, dtype="float32")
+    assert resolve_dtype("auto", float32_checkpoint, "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", float32_checkpoint, CPU) == torch.float32
     for name, dtype in [("float32", torch.float32), ("fp32", torch.float32),
                         ("float16", torch.float16), ("fp16", torch.float16),
                         ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16)]:
