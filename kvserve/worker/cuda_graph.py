@@ -63,6 +63,8 @@ class DecodeGraphs:
             seq_lens=b.seq_lens[:size],
             block_table=b.block_table[:size],
             slot_mapping=b.slot_mapping[:size],
+            # host copies would be stale on replay: only backends that never
+            # read them (supports_cuda_graphs) are captured
             query_start_loc_cpu=[],
             seq_lens_cpu=[],
         )
