@@ -63,6 +63,7 @@ class HostStep:
     num_tokens: int
     max_query_len: int
     max_seq_len: int
+    max_blocks: int  # width of the step's block table: the most blocks a request holds
     query_start_loc: np.ndarray  # [num_reqs + 1] int32
     seq_lens: np.ndarray  # [num_reqs] int32
     sample_rows: np.ndarray  # [num_sample_reqs] int64: indices of requests that sample
@@ -182,6 +183,7 @@ class StepBuffers:
             num_tokens=num_tokens,
             max_query_len=int(num_scheduled.max()),
             max_seq_len=int(ends.max()),
+            max_blocks=max_blocks,
             query_start_loc=query_start_loc[: num_reqs + 1],
             seq_lens=seq_lens[:num_reqs],
             sample_rows=sample_rows,

@@ -331,7 +331,6 @@ class ModelRunner:
             self.block_size, graph_size or num_reqs,
         )
         b = self.buffers
-        max_blocks = int(self.block_tables.num_blocks[rows].max())
         metadata = AttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=host.num_tokens,
@@ -339,7 +338,7 @@ class ModelRunner:
             max_seq_len=host.max_seq_len,
             query_start_loc=b.query_start_loc[: num_reqs + 1],
             seq_lens=b.seq_lens[:num_reqs],
-            block_table=b.block_table[:num_reqs, :max_blocks],
+            block_table=b.block_table[:num_reqs, :host.max_blocks],
             slot_mapping=b.slot_mapping[: host.num_tokens],
             query_start_loc_cpu=host.query_start_loc.tolist(),
             seq_lens_cpu=host.seq_lens.tolist(),

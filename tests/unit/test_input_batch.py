@@ -90,6 +90,7 @@ def test_fill_matches_per_token_construction(seed: int) -> None:
     assert host.logits_indices.tolist() == exp_logits
     assert host.max_seq_len == max(ends) and host.max_query_len == max(scheduled)
     width = max(len(b) for b in blocks)
+    assert host.max_blocks == width
     for i, ids in enumerate(blocks):
         assert buffers.block_table[i, : len(ids)].tolist() == ids
         assert width <= max_blocks
