@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The GPU fast-path figures (issue "GPU fast path", item 5) on the llama-3-8b preset with random
 # bf16 weights: `kvserve bench latency` (W1 prompt 128 and 4096, W6) and `kvserve bench
-# throughput` (W2) with the default engine, W1 with --enforce-eager (no CUDA graphs), W1 and the
-# first 200 W2 requests with the torch reference attention (the oracle), then the peers
+# throughput` (W2) with the default engine, W1 with --enforce-eager (no CUDA graphs), W1 and W2
+# with --no-async-scheduling, W1 and the first 200 W2 requests with the torch reference
+# attention (the oracle), then the peers
 # (benchmarks/peers.py) on the same requests, then one summary table of every JSON in OUT_DIR.
 #   benchmarks/fastpath_gpu.sh OUT_DIR [STAGE...]
-# Stages, in order (default: all): latency throughput reference reference-w2 gptfast hf-static
-# hf-batch summary. REFERENCE_W2_PROMPTS (default 200) sizes reference-w2.
+# Stages, in order (default: all): latency throughput no-async reference reference-w2 gptfast
+# hf-static hf-batch summary. REFERENCE_W2_PROMPTS (default 200) sizes reference-w2.
 # Run from the repository root on the GPU machine; gptfast needs .peers/gpt-fast (carry it).
 # `summary` needs only Python: it also runs on a folder of JSON gathered from several calls.
 set -euo pipefail
 out=${1:?output directory}
 shift
-stages=${*:-latency throughput reference reference-w2 gptfast hf-static hf-batch summary}
+stages=${*:-latency throughput no-async reference reference-w2 gptfast hf-static hf-batch summary}
 REFERENCE_W2_PROMPTS=${REFERENCE_W2_PROMPTS:-200}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -39,6 +40,11 @@ for stage in $stages; do
         throughput)
             bench throughput w2 --workload w2
             bench throughput w2-first200 --workload w2 --num-prompts 200
+            ;;
+        no-async)  # the host's work between steps is not overlapped with the device's
+            bench latency w1-p128-no-async --no-async-scheduling --input-len 128 \
+                --output-len 256 --num-iters 5
+            bench throughput w2-no-async --no-async-scheduling --workload w2
             ;;
         reference)
             bench latency w1-p128-torch --attention-backend torch --input-len 128 \
@@ -95,7 +101,7 @@ for row in rows:
 EOF
             ;;
         *)
-            echo "unknown stage '$stage'; known: latency throughput reference reference-w2" \
+            echo "unknown stage '$stage'; known: latency throughput no-async reference reference-w2" \
                 "gptfast hf-static hf-batch summary" >&2
             exit 2
             ;;

@@ -190,6 +190,8 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" or "priority"
+    # plan step N+1 while step N runs on the device (see engine_core)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

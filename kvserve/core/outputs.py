@@ -74,10 +74,13 @@ class ModelRunnerOutput:
     # request_id -> tokens sampled this step (empty for a partial prefill chunk)
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
-    # device time of the steps whose results are known by now (this one and
-    # any earlier step that sampled nothing), from its first to its last kernel;
-    # the rest of the steps' wall time is time the device waited for the host
+    # device time of the step, from its first to its last kernel; the rest of
+    # the steps' wall time is time the device waited for the host
     device_s: float = 0.0
+
+    def get(self) -> ModelRunnerOutput:
+        """A finished output is its own pending one (see ``engine_core.PendingOutput``)."""
+        return self
 
 
 @dataclass

@@ -10,6 +10,10 @@ The token accounting words used across kvserve are defined here, once:
 - ``num_cached_tokens``: tokens found in the prefix cache when the request
   was first scheduled.
 - ``num_scheduled_tokens``: tokens the scheduler assigns in one step.
+- ``num_output_placeholders``: tokens being sampled by a step that is
+  scheduled but whose result has not come back yet (0 or 1). With async
+  scheduling the next step is planned while one is in flight, so the
+  scheduler counts these as if they were known.
 
 Pure Python: no torch here.
 """
@@ -96,6 +100,7 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # -1 until first scheduled
+        self.num_output_placeholders = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -11,6 +11,14 @@ adapters is passed over until one of them finishes. When the pool runs dry,
 the most recently admitted request (or the least important one under the
 priority policy) is preempted: its blocks are freed and it restarts from its
 prefix later.
+
+With async scheduling the next step is planned while the previous one is
+still on the device: a request whose next token is being sampled holds one
+output placeholder, counted as a token it has (so it is scheduled to decode
+that token) but not yet appended; ``update_from_output`` swaps the
+placeholder for the token. A request whose in-flight token is its last
+(``max_tokens``) is not scheduled again; one that turns out to have stopped
+(EOS, stop string) wastes the one step already queued for it.
 Pure Python: no torch here.
 """
 
@@ -96,14 +104,18 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            if request in self.running:
-                self.running.remove(request)
-            elif request in self.waiting:
-                self.waiting.remove(request)
+            self._remove(request)
             request.status = status
             self._free(request)
             finished.append(request)
         return finished
+
+    def _remove(self, request: Request) -> None:
+        """Take a request out of whichever queue holds it."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
 
     def _free(self, request: Request) -> None:
         request.times.finished_s = time.monotonic()
@@ -123,13 +135,29 @@ class Scheduler:
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        for request_id in out.num_scheduled_tokens:
+            request = self.requests[request_id]
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
         return out
+
+    @staticmethod
+    def _num_tokens_to_compute(request: Request) -> int:
+        """Tokens of a running request whose KV is not computed yet, the one in
+        flight included; 0 when that one is its last (``max_tokens``)."""
+        num_placeholders = request.num_output_placeholders
+        if num_placeholders and request.num_output_tokens + num_placeholders >= request.max_tokens:
+            return 0
+        return request.num_tokens + num_placeholders - request.num_computed_tokens
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._num_tokens_to_compute(request), budget)
+            if num_new == 0:
+                index += 1
+                continue
             new_blocks = self.kv_manager.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self._pick_victim()
@@ -156,6 +184,8 @@ class Scheduler:
                     and len(running_loras) >= self.max_loras):
                 index += 1  # its adapter waits for a slot; later requests may still run
                 continue
+            # a request preempted with a token in flight waits a step, when it is known
+            assert not request.num_output_placeholders, "resuming with a token in flight"
             computed: list[KVBlock] = []
             num_hit = 0
             if request.num_computed_tokens == 0:
@@ -237,7 +267,8 @@ class Scheduler:
         for request_id, token_ids in runner_output.sampled_token_ids.items():
             request = self.requests.get(request_id)
             if request is None or not token_ids:
-                continue
+                continue  # finished or aborted while its step was in flight
+            request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             new_tokens = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
@@ -256,7 +287,7 @@ class Scheduler:
             if request.is_finished:
                 output.finish_reason = request.status.finish_reason
                 output.stop_reason = request.stop_reason
-                self.running.remove(request)
+                self._remove(request)  # a preempted request may finish from the waiting queue
                 self._free(request)
             outputs.append(output)
         return outputs

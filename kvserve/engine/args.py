@@ -47,6 +47,19 @@ def resolve_attention_backend(name: str, device: str) -> str:
     return "triton" if torch.cuda.is_available() else "torch"
 
 
+def resolve_async_scheduling(flag: bool | None, device: str) -> bool:
+    """Unset means on when the engine runs on CUDA, where the device works
+    while the host prepares the next step; on the CPU the forward runs in the
+    calling thread, so there is nothing to overlap."""
+    if flag is not None:
+        return flag
+    if device == "cpu":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @dataclass
 class EngineArgs:
     """User-facing engine knobs, with vLLM's names."""
@@ -72,6 +85,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
+    async_scheduling: bool | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model = self.model or str(default_model_path())
@@ -120,6 +134,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
+                async_scheduling=resolve_async_scheduling(self.async_scheduling, self.device),
             ),
             lora_config=(LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
                          if self.enable_lora else None),
@@ -182,6 +197,10 @@ class EngineArgs:
         group.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
                            help="decode batch sizes to capture as CUDA graphs "
                                 "(default: 1 2 4 8 16 24 ... up to max_num_seqs, at most 512)")
+        group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                           default=None,
+                           help="schedule the next step while the current one runs "
+                                "(default: on with CUDA, off on the CPU)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -2,7 +2,15 @@
 
 It works in token ids only (no text) and is what a separate engine process
 will run later. The executor is anything with ``execute_model`` (the
-in-process ``ModelRunner`` today).
+in-process ``ModelRunner`` today), which queues a step and returns something
+whose ``get()`` waits for its output.
+
+With async scheduling (the default on CUDA) one step stays in flight: each
+``step()`` schedules and queues step N+1, then waits for step N and reports
+its outputs, so the host's scheduling, input preparation and output
+processing overlap the device's work instead of leaving it idle. Greedy
+output is the same either way; a request that stops (EOS, stop string) costs
+one step of wasted device work for it.
 """
 
 from __future__ import annotations
@@ -17,12 +25,18 @@ from kvserve.core.scheduler import Scheduler
 from kvserve.lora.request import LoRARequest
 
 
+class PendingOutput(Protocol):
+    """A queued step; ``get`` waits for it (a ``ModelRunnerOutput`` is one, done)."""
+
+    def get(self) -> ModelRunnerOutput: ...
+
+
 class Executor(Protocol):
     """Runs the model for one scheduler step."""
 
     num_kv_blocks: int
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput: ...
 
     def add_lora(self, lora_request: LoRARequest) -> None: ...
 
@@ -45,6 +59,9 @@ class EngineCore:
             config.scheduler_config, config.cache_config, executor.num_kv_blocks + 1,
             config.lora_config,
         )
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        # the step queued but not yet reported (async scheduling only)
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self.num_steps = 0
         self.last_step_s = time.monotonic()
         self.device_s = 0.0
@@ -66,16 +83,28 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and queue a step; report the step that finished: this one,
+        or with async scheduling the one queued by the previous call (an
+        empty step is never left in flight)."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
-        self.device_s += runner_output.device_s
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self.num_steps += 1
+        pending = self.executor.execute_model(scheduler_output)
+        to_report = [self._in_flight] if self._in_flight is not None else []
+        self._in_flight = None
+        if self.async_scheduling and not scheduler_output.is_empty:
+            self._in_flight = (scheduler_output, pending)
+        else:
+            to_report.append((scheduler_output, pending))
+        outputs = []
+        for reported_output, reported_pending in to_report:
+            runner_output = reported_pending.get()
+            self.device_s += runner_output.device_s
+            outputs += self.scheduler.update_from_output(reported_output, runner_output)
+            self.num_steps += not reported_output.is_empty
         self.last_step_s = time.monotonic()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests
+        return self.scheduler.has_unfinished_requests or self._in_flight is not None
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvserve.config import LoRAConfig
+from kvserve.host_copy import to_device
 from kvserve.layers.linear import Linear, MergedColumnLinear, QKVLinear, ShardId
 from kvserve.lora.layers import LoRABatch, LoRALinear
 from kvserve.lora.peft import (
@@ -162,7 +163,8 @@ class LoRAManager:
             if lora_id:
                 rows.setdefault(slot_of[lora_id], []).extend(range(start, start + count))
             start += count
-        self.batch.slot_rows = [(slot, self._to_device(r)) for slot, r in rows.items()]
+        self.batch.slot_rows = [(slot, to_device(r, torch.int64, self.device))
+                                for slot, r in rows.items()]
 
     def _activate(self, lora_id: int, step_ids: set[int]) -> int:
         """The slot holding ``lora_id``, loading it (and evicting) if needed."""
@@ -183,8 +185,3 @@ class LoRAManager:
         self.slots[lora_id] = slot
         return slot
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=torch.int64)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor

@@ -12,7 +12,8 @@ Logprobs are of the raw model distribution (log_softmax of the logits as
 given, before any of the above), as vLLM returns them by default.
 
 This module must not synchronise with the host: no ``.item()``, no
-``.tolist()``, no branches on tensor values. Every branch is on a flag that
+``.tolist()``, no branches on tensor values, no blocking host-to-device
+copies (``to_device`` queues them). Every branch is on a flag that
 ``SamplingBatch.build`` computed from the Python-side params.
 """
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.host_copy import to_device
 
 # top_p rows keep tokens until the kept mass reaches top_p - this slack, so
 # float32 rounding of softmax/cumsum does not add one more token on exact cuts
@@ -133,7 +135,7 @@ class SamplingBatch:
         temperature = [1.0 if g else p.temperature for p, g in rows]
         top_k_tensor = None
         if any(k != vocab_size for k in top_k):
-            top_k_tensor = torch.tensor(top_k, dtype=torch.int64, device=device)
+            top_k_tensor = to_device(top_k, torch.int64, device)
         forbidden_row_idx, forbidden_token_ids = _forbidden_tokens(
             params, output_token_ids, eos_token_ids, vocab_size, device
         )
@@ -143,7 +145,7 @@ class SamplingBatch:
             vocab_size=vocab_size,
             all_greedy=all(greedy),
             all_random=not any(greedy),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy_mask=to_device(greedy, torch.bool, device),
             temperature=_floats(temperature, device),
             top_k=top_k_tensor,
             top_p=None if all(p >= 1.0 for p in top_p) else _floats(top_p, device),
@@ -159,7 +161,7 @@ class SamplingBatch:
 
 
 def _floats(values: list[float], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return to_device(values, torch.float32, device)
 
 
 def _penalties(
@@ -198,7 +200,7 @@ def _token_counts(
     max_len = max((len(ids) for ids in token_ids), default=0)
     # pad with vocab_size, an extra bucket sliced off below
     padded = [list(ids) + [vocab_size] * (max_len - len(ids)) for ids in token_ids]
-    idx = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(token_ids), max_len)
+    idx = to_device(padded, torch.int64, device).reshape(len(token_ids), max_len)
     idx.clamp_(0, vocab_size)
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.int32, device=device)
     counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))
@@ -228,8 +230,8 @@ def _forbidden_tokens(
     if not rows:
         return None, None
     return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(tokens, dtype=torch.int64, device=device),
+        to_device(rows, torch.int64, device),
+        to_device(tokens, torch.int64, device),
     )
 
 

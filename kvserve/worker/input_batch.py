@@ -8,6 +8,12 @@ request frees its row), so a step never rebuilds a table from Python lists.
 pinned host mirrors: a step writes the host side with vectorised numpy and
 copies each buffer once, non-blocking. CUDA graphs read those device tensors
 at fixed addresses, so the same buffers serve eager and graphed steps.
+
+With async scheduling a step is prepared before the host has read the tokens
+of the step still running; those tokens are *carried*: the host writes a
+placeholder, and ``StepBuffers.carry`` holds (row of ``input_ids``, row of
+the previous step's sampled tensor) pairs for the runner to copy on the
+device.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class HostStep:
     seq_lens: np.ndarray  # [num_reqs] int32
     sample_rows: np.ndarray  # [num_sample_reqs] int64: indices of requests that sample
     logits_indices: np.ndarray  # [num_sample_reqs] int64: their last token's row
+    num_carried: int  # tokens to take from the previous step's sampled tensor
 
 
 class StepBuffers:
@@ -93,6 +100,8 @@ class StepBuffers:
         self.block_table_cpu, self.block_table = pair(
             (max_num_reqs, max_blocks_per_req), torch.int32
         )
+        # [0]: rows of input_ids, [1]: rows of the previous step's sampled tokens
+        self.carry_cpu, self.carry = pair((2, max_num_reqs), torch.int64)
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         # the last step's host-to-device copies: the host side may be rewritten
@@ -109,10 +118,15 @@ class StepBuffers:
         tables: BlockTables,
         block_size: int,
         padded_num_reqs: int,
+        carried_reqs: np.ndarray | None = None,  # [num_carried] int64
+        carried_src: np.ndarray | None = None,  # [num_carried] int64
     ) -> HostStep:
         """Write the step's inputs into the host buffers and copy them to the device.
 
-        ``token_chunks[i]`` are request i's scheduled token ids. Requests
+        ``token_chunks[i]`` are request i's scheduled token ids. The last token
+        of request ``carried_reqs[j]`` is not known on the host (its chunk holds
+        a placeholder): it is row ``carried_src[j]`` of the previous step's
+        sampled tokens, and ``carry`` gets the pair for the runner. Requests
         ``num_reqs .. padded_num_reqs - 1`` are padding for a CUDA graph: no
         tokens (their token rows get id 0, position 0 and slot -1, which the KV
         write skips) and a zero-length query, which the attention kernels skip.
@@ -166,6 +180,12 @@ class StepBuffers:
         logits_indices = self.logits_indices_cpu.numpy()[: len(sample_rows)]
         logits_indices[:] = cu[sample_rows] - 1
 
+        num_carried = 0 if carried_reqs is None else len(carried_reqs)
+        if num_carried:
+            carry = self.carry_cpu.numpy()
+            carry[0, :num_carried] = cu[carried_reqs] - 1
+            carry[1, :num_carried] = carried_src
+
         if self.device.type != "cpu":
             self._copy(self.input_ids, self.input_ids_cpu, padded_num_tokens)
             self._copy(self.positions, self.positions_cpu, padded_num_tokens)
@@ -176,6 +196,9 @@ class StepBuffers:
             self.block_table[:num_reqs, :max_blocks].copy_(
                 self.block_table_cpu[:num_reqs, :max_blocks], non_blocking=True
             )
+            if num_carried:
+                self.carry[:, :num_carried].copy_(self.carry_cpu[:, :num_carried],
+                                                  non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         return HostStep(
@@ -188,6 +211,7 @@ class StepBuffers:
             seq_lens=seq_lens[:num_reqs],
             sample_rows=sample_rows,
             logits_indices=logits_indices,
+            num_carried=num_carried,
         )
 
     @staticmethod

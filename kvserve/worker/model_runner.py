@@ -10,6 +10,15 @@ only at the last position of each request that has caught up with its
 tokens, and samples. At start-up it profiles a largest step to size the KV
 cache. It owns the model, the KV cache tensors and the graphs; it knows
 nothing about queues, budgets or text.
+
+``execute_model`` only queues the step and returns a ``PendingStep``: the
+sampled tokens are copied to pinned host memory behind an event, and
+``PendingStep.get`` waits for that event alone, not for later steps. So the
+engine can queue step N+1 before reading step N (async scheduling); a token
+of step N that step N+1 needs as input is then copied on the device from
+step N's sampled tensor ("carried"). Requests with penalties or below
+``min_tokens`` need their whole output on the host, so a step that would
+carry one of their tokens reads the previous step first.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +75,15 @@ class RunnerRequestState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
 
+    @property
+    def needs_known_outputs(self) -> bool:
+        """Whether sampling reads the output tokens themselves (penalties) or
+        their exact count (still below ``min_tokens``), not just the last one."""
+        params = self.sampling_params
+        return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+                or params.repetition_penalty != 1.0
+                or len(self.token_ids) - len(self.prompt_token_ids) < params.min_tokens)
+
 
 @dataclass
 class StepInputs:
@@ -79,6 +98,33 @@ class StepInputs:
     logits_indices: torch.Tensor  # [num_sample_requests]
     # the CUDA graph size this step replays (None: eager)
     graph_size: int | None
+
+
+class PendingStep:
+    """A step queued on the device; ``get`` waits for it and reads its output.
+
+    Steps are read in the order they ran: getting one first reads any older
+    step not read yet, since each appends its tokens to the requests' state.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        states: list[RunnerRequestState],
+        sampled: SamplerOutput | None,
+        start: Any,
+    ) -> None:
+        self.states = states  # the requests that sampled, in row order
+        self.host_tensors = runner._copy_to_host(sampled)  # filled once ``end`` is reached
+        self.start = start
+        self.end = runner._mark()
+        self.output: ModelRunnerOutput | None = None
+        self._runner = runner
+
+    def get(self) -> ModelRunnerOutput:
+        while self.output is None:
+            self._runner._read_oldest_step()
+        return self.output
 
 
 def largest_step_query_lens(sched: SchedulerConfig) -> list[int]:
@@ -134,8 +180,11 @@ class ModelRunner:
                              max(self.cuda_graph_sizes, default=0))
         self.buffers = StepBuffers(max_num_tokens, max_num_reqs, max_blocks_per_req, device)
         self.graphs: DecodeGraphs | None = None
-        # (start, end) device timings of steps whose results are not read yet
-        self._pending_timings: list[tuple[Any, Any]] = []
+        # queued steps whose tokens are not appended to the states yet, oldest first
+        self._unread: deque[PendingStep] = deque()
+        # the last step that sampled: its sampled tokens (on the device) and
+        # each request's row in them, for tokens the next step must carry
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
 
     @classmethod
     def create(
@@ -317,20 +366,42 @@ class ModelRunner:
         num_reqs = len(states)
         num_computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)
         num_scheduled = np.fromiter((scheduled[r] for r in request_ids), np.int64, num_reqs)
-        num_total = np.fromiter((len(s.token_ids) for s in states), np.int64, num_reqs)
+        ends = num_computed + num_scheduled
+        num_known = np.fromiter((len(s.token_ids) for s in states), np.int64, num_reqs)
+        carried = np.flatnonzero(ends > num_known)
+        if len(carried) and (self._last_sampled is None or any(
+                states[i].needs_known_outputs or request_ids[i] not in self._last_sampled[1]
+                for i in carried)):
+            self._read_all_steps()
+            num_known = np.fromiter((len(s.token_ids) for s in states), np.int64, num_reqs)
+            carried = np.flatnonzero(ends > num_known)
+        if len(carried) and int((ends - num_known)[carried].max()) > 1:
+            raise RuntimeError("a step needs more than one token the host has not seen")
+        carried_src = np.empty(len(carried), dtype=np.int64)
+        if len(carried):
+            assert self._last_sampled is not None
+            sampled_rows = self._last_sampled[1]
+            carried_src[:] = [sampled_rows[request_ids[i]] for i in carried]
         rows = np.fromiter((s.row for s in states), np.int64, num_reqs)
-        token_chunks = [s.token_ids[s.num_computed_tokens:s.num_computed_tokens + scheduled[r]]
-                        for s, r in zip(states, request_ids, strict=True)]
+        # a carried token is a 0 here, overwritten on the device
+        token_chunks = [s.token_ids[s.num_computed_tokens:end] for s, end in zip(
+            states, ends.tolist(), strict=True)]
+        for i in carried:
+            token_chunks[i] = [*token_chunks[i], 0]
         graph_size = None
         # graphs hold the base model only: a step with an adapter runs eagerly
         if (self.graphs is not None and int(num_scheduled.max()) == 1
                 and not any(s.lora_int_id for s in states)):
             graph_size = self.graphs.padded_size(num_reqs)
         host = self.buffers.fill(
-            token_chunks, num_computed, num_scheduled, num_total, rows, self.block_tables,
-            self.block_size, graph_size or num_reqs,
+            token_chunks, num_computed, num_scheduled, np.maximum(num_known, ends), rows,
+            self.block_tables, self.block_size, graph_size or num_reqs, carried, carried_src,
         )
         b = self.buffers
+        if host.num_carried:
+            assert self._last_sampled is not None
+            dst, src = b.carry[0, :host.num_carried], b.carry[1, :host.num_carried]
+            b.input_ids[dst] = self._last_sampled[0][src]
         metadata = AttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=host.num_tokens,
@@ -356,8 +427,9 @@ class ModelRunner:
     # ------------------------------------------------------------ step
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and sample for every request that caught up."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingStep | ModelRunnerOutput:
+        """Queue one step, sampling for every request that caught up; returns
+        at once with a ``PendingStep`` (a finished output for an empty step)."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
@@ -387,14 +459,17 @@ class ModelRunner:
         for request_id in inputs.request_ids:
             state = self.states[request_id]
             state.num_computed_tokens += scheduler_output.num_scheduled_tokens[request_id]
-        if batch is None:
-            self._pending_timings.append((start, self._mark()))
-            return ModelRunnerOutput()
-        if logits is None:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        sampled = self.sampler(logits, batch)
-        self._pending_timings.append((start, self._mark()))
-        return self._make_output(states, sampled)
+        sampled = None
+        self._last_sampled = None
+        if batch is not None:
+            if logits is None:
+                logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            sampled = self.sampler(logits, batch)
+            self._last_sampled = (sampled.sampled_token_ids,
+                                  {s.request_id: i for i, s in enumerate(states)})
+        step = PendingStep(self, states, sampled, start)
+        self._unread.append(step)
+        return step
 
     def _mark(self) -> Any:
         """A point in the device's timeline: a recorded CUDA event, or on the
@@ -405,30 +480,49 @@ class ModelRunner:
         event.record()
         return event
 
-    def _read_timings(self) -> float:
-        """Device seconds of the steps timed so far; call once the device caught up."""
-        if self.device.type == "cuda":
-            total = sum(s.elapsed_time(e) for s, e in self._pending_timings) / 1e3
-        else:
-            total = sum(e - s for s, e in self._pending_timings)
-        self._pending_timings.clear()
-        return total
-
-    def _make_output(
-        self, states: list[RunnerRequestState], sampled: SamplerOutput
-    ) -> ModelRunnerOutput:
-        token_ids = sampled.sampled_token_ids.tolist()  # waits for the device
-        output = ModelRunnerOutput(device_s=self._read_timings())
-        logprob_rows = None
+    def _copy_to_host(self, sampled: SamplerOutput | None) -> list[torch.Tensor]:
+        """Queue copies of the sampled tokens (and logprobs) into pinned host
+        tensors; they are valid once the step's end event is reached."""
+        if sampled is None:
+            return []
+        tensors = [sampled.sampled_token_ids]
         if sampled.logprobs is not None and sampled.logprob_token_ids is not None:
-            logprob_rows = (
-                sampled.logprob_token_ids.tolist(),
-                sampled.logprobs.tolist(),
-                sampled.sampled_token_ranks.tolist()
-                if sampled.sampled_token_ranks is not None
-                else [0] * len(states),
-            )
-        for i, state in enumerate(states):
+            tensors += [sampled.logprob_token_ids, sampled.logprobs]
+            if sampled.sampled_token_ranks is not None:
+                tensors.append(sampled.sampled_token_ranks)
+        if self.device.type != "cuda":
+            return tensors
+        copies = []
+        for tensor in tensors:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            copies.append(host.copy_(tensor, non_blocking=True))
+        return copies
+
+    def _read_all_steps(self) -> None:
+        while self._unread:
+            self._read_oldest_step()
+
+    def _read_oldest_step(self) -> None:
+        """Wait for the oldest unread step, append its tokens to the states and
+        set its output."""
+        step = self._unread.popleft()
+        if self.device.type == "cuda":
+            step.end.synchronize()
+            device_s = step.start.elapsed_time(step.end) / 1e3
+        else:
+            device_s = step.end - step.start
+        output = ModelRunnerOutput(device_s=device_s)
+        step.output = output
+        if not step.host_tensors:
+            return
+        token_ids = step.host_tensors[0].tolist()
+        logprob_rows = None
+        if len(step.host_tensors) > 1:
+            ids, values = step.host_tensors[1].tolist(), step.host_tensors[2].tolist()
+            ranks = (step.host_tensors[3].tolist() if len(step.host_tensors) > 3
+                     else [0] * len(step.states))
+            logprob_rows = (ids, values, ranks)
+        for i, state in enumerate(step.states):
             token_id = int(token_ids[i])
             state.token_ids.append(token_id)
             output.sampled_token_ids[state.request_id] = [token_id]
@@ -442,4 +536,3 @@ class ModelRunner:
                         sampled_rank=int(ranks[i]),
                     )
                 ]
-        return output

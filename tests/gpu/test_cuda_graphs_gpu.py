@@ -1,7 +1,8 @@
 """CUDA graphs and start-up memory sizing on a CUDA device (skipped without
-one): greedy and seeded tokens identical with graphs on and off, batch 1
-equal to batch 64, graphs actually replayed, the KV pool sized from a
-profiled step, and models or contexts that cannot fit refused at once."""
+one): greedy and seeded tokens identical with graphs on and off and with
+async scheduling on and off, batch 1 equal to batch 64, graphs actually
+replayed, the KV pool sized from a profiled step, and models or contexts that
+cannot fit refused at once."""
 
 from __future__ import annotations
 
@@ -62,6 +63,31 @@ def test_graphs_on_and_off_give_identical_tokens(
     assert _tokens(graphs, prompts, greedy) == _tokens(eager, prompts, greedy)
     assert count_replays and max(count_replays) >= num_prompts
     assert _tokens(graphs, prompts, seeded) == _tokens(eager, prompts, seeded)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_async_scheduling_on_and_off_give_identical_tokens(
+    enforce_eager: bool, tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    path = str(tiny_checkpoint("llama"))
+    prompts = _prompts(17, seed=2)
+    kwargs = dict(model=path, dtype="bfloat16", device="cuda", max_num_seqs=32,
+                  gpu_memory_utilization=0.3, enforce_eager=enforce_eager)
+    sync = LLM(**kwargs, async_scheduling=False)
+    overlapped = LLM(**kwargs, async_scheduling=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    expected = _tokens(sync, prompts, greedy)
+    assert _tokens(overlapped, prompts, greedy) == expected
+    # stops at different steps: each request ends on its own 5th token
+    stopping = [SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[t[4]])
+                for t in expected]
+    stopped = [o.outputs[0].token_ids
+               for o in overlapped.generate(prompts, stopping, use_tqdm=False)]
+    assert stopped == [t[: t.index(t[4]) + 1] for t in expected]
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    assert _tokens(overlapped, prompts, seeded) == _tokens(sync, prompts, seeded)
+    stats = overlapped.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
 def test_batch_1_equals_batch_64_with_graphs(tiny_checkpoint: Callable[[str], Path]) -> None:

@@ -1,7 +1,10 @@
 """Scheduler, KV manager and block pool on CPU with a fake executor: the
 token-budget rule, prefix caching (keyed by LoRA adapter too), the
 ``max_loras`` cap, preemption, rejection, and randomised add / abort / step
-runs checking the pool's invariants after every step."""
+runs checking the pool's invariants after every step. The stepped runs go
+through ``EngineCore`` with async scheduling off and on: the fake model's
+token depends on every earlier token, so an output placeholder swapped in
+wrong or a step planned on stale state changes the outputs."""
 
 from __future__ import annotations
 
@@ -11,12 +14,13 @@ import sys
 
 import pytest
 
-from kvserve.config import CacheConfig, LoRAConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from kvserve.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvserve.core.request import Request, RequestStatus
+from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.scheduler import Scheduler
+from kvserve.engine.engine_core import EngineCore
 
 VOCAB = 50
 EOS = 2
@@ -27,19 +31,83 @@ def fake_token(token_ids: list[int]) -> int:
     return (sum((i + 1) * t for i, t in enumerate(token_ids)) % (VOCAB - 3)) + 3
 
 
-class FakeExecutor:
-    """Samples for every scheduled request whose computed tokens caught up."""
+class FakeStep:
+    """A step of the fake model; its tokens are computed when read, as a step
+    in flight on a device is known only once it is done."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, sampling: list[Request]) -> None:
+        self.sampling = sampling
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def get(self) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
+        for request in self.sampling:
+            # also for a request that finished while the step was in flight
+            result.sampled_token_ids[request.request_id] = [fake_token(request.all_token_ids)]
+        return result
+
+
+class FakeExecutor:
+    """Samples for every scheduled request whose computed tokens caught up
+    (its placeholder added this step); checks the invariants of each step."""
+
+    def __init__(self, scheduler: Scheduler | None = None, num_kv_blocks: int = 0) -> None:
+        self.scheduler = scheduler
+        self.num_kv_blocks = num_kv_blocks
+
+    def execute_model(self, out: SchedulerOutput) -> FakeStep:
+        assert self.scheduler is not None
+        check_invariants(self.scheduler, out)
+        sampling = []
         for request_id in out.num_scheduled_tokens:
             request = self.scheduler.requests[request_id]
-            if request.num_computed_tokens == request.num_tokens:
-                result.sampled_token_ids[request_id] = [fake_token(request.all_token_ids)]
-        return result
+            placeholders = request.num_output_placeholders
+            if placeholders and (request.num_computed_tokens
+                                 == request.num_tokens + placeholders - 1):
+                sampling.append(request)
+        return FakeStep(sampling)
+
+    def add_lora(self, lora_request: object) -> None:
+        raise AssertionError("no adapters here")
+
+
+def step(scheduler: Scheduler) -> SchedulerOutput:
+    """One synchronous step: schedule, run the fake model, apply its output."""
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, FakeExecutor(scheduler).execute_model(out).get())
+    return out
+
+
+def make_core(async_scheduling: bool, num_blocks: int = 64, block_size: int = 4,
+              **kwargs: object) -> EngineCore:
+    """An ``EngineCore`` over the fake model (its scheduler has ``num_blocks``)."""
+    sched_kwargs = {"max_num_seqs": 8, "max_num_batched_tokens": 32, "max_model_len": 128,
+                    "async_scheduling": async_scheduling}
+    sched_kwargs.update(kwargs)  # type: ignore[arg-type]
+    model_config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=VOCAB,
+                               hidden_size=8, intermediate_size=16, num_layers=1, num_heads=1,
+                               num_kv_heads=1, head_dim=8, max_position_embeddings=128,
+                               sliding_windows=(None,))
+    config = EngineConfig(
+        model="fake", model_config=model_config, cache_config=CacheConfig(block_size=block_size),
+        scheduler_config=SchedulerConfig(**sched_kwargs),  # type: ignore[arg-type]
+        model_path=None, tokenizer_path=None, load_format="dummy", dtype="float32",
+        device="cpu", seed=0, attention_backend="torch",
+    )
+    executor = FakeExecutor(num_kv_blocks=num_blocks - 1)
+    core = EngineCore(config, executor)
+    executor.scheduler = core.scheduler
+    return core
+
+
+def run_core_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[int]]:
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            break
+        for core_out in core.step():
+            outputs.setdefault(core_out.request_id, []).extend(core_out.new_token_ids)
+    assert not core.has_unfinished_requests(), "engine core did not finish (deadlock?)"
+    return outputs
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4,
@@ -80,7 +148,9 @@ def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
     for request in scheduler.running:
         held = len(scheduler.kv_manager.req_to_blocks.get(request.request_id, []))
         assert held == -(-request.num_computed_tokens // scheduler.block_size)
-        assert request.num_computed_tokens <= request.num_tokens
+        # one placeholder per step not reported yet: at most this one and the one in flight
+        assert request.num_output_placeholders <= 2
+        assert request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders
 
 
 def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> dict[str, list[int]]:
@@ -90,8 +160,7 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> dict[str
         if not scheduler.has_unfinished_requests:
             break
         out = scheduler.schedule()
-        check_invariants(scheduler, out)
-        for core_out in scheduler.update_from_output(out, executor.execute_model(out)):
+        for core_out in scheduler.update_from_output(out, executor.execute_model(out).get()):
             outputs.setdefault(core_out.request_id, []).extend(core_out.new_token_ids)
     assert not scheduler.has_unfinished_requests, "scheduler did not finish (deadlock?)"
     return outputs
@@ -114,7 +183,7 @@ def test_decodes_first_then_prefill_chunks_fill_the_budget() -> None:
     scheduler.add_request(make_request("a", list(range(3, 9)), max_tokens=4))
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {"a": 6}
-    scheduler.update_from_output(out, FakeExecutor(scheduler).execute_model(out))
+    scheduler.update_from_output(out, FakeExecutor(scheduler).execute_model(out).get())
     scheduler.add_request(make_request("b", list(range(3, 23)), max_tokens=4))
     out = scheduler.schedule()
     # a's decode first (1 token), then a 9-token chunk of b's 20-token prompt
@@ -145,13 +214,13 @@ def test_prefix_cache_hit_on_shared_prompt_and_second_turn() -> None:
     scheduler.add_request(make_request("a", [*system, 30, 31], max_tokens=3))
     first = run_to_completion(scheduler)
     scheduler.add_request(make_request("b", [*system, 40, 41, 42], max_tokens=3))
-    scheduler.schedule()
+    step(scheduler)
     assert scheduler.requests["b"].num_cached_tokens == 16
     run_to_completion(scheduler)
     # second turn: prompt of turn 1 + its answer + a new message
     turn2 = [*system, 30, 31, *first["a"], 50, 51, 52, 53]
     scheduler.add_request(make_request("c", turn2, max_tokens=2))
-    scheduler.schedule()
+    step(scheduler)
     assert scheduler.requests["c"].num_cached_tokens == 20
     stats = scheduler.stats()
     assert stats["prefix_cache_hits"] == 36
@@ -167,7 +236,7 @@ def test_prefix_cache_is_keyed_by_lora_adapter() -> None:
     for request_id, lora_int_id, num_cached in (("lora", 1, 0), ("lora-again", 1, 12),
                                                 ("other-lora", 2, 0), ("base-again", 0, 12)):
         scheduler.add_request(make_request(request_id, prompt, 2, lora_int_id=lora_int_id))
-        scheduler.schedule()
+        step(scheduler)
         assert scheduler.requests[request_id].num_cached_tokens == num_cached, request_id
         run_to_completion(scheduler)
 
@@ -186,10 +255,9 @@ def test_max_loras_caps_the_adapters_running_at_once() -> None:
     executor = FakeExecutor(scheduler)
     outputs: dict[str, list[int]] = {}
     while scheduler.has_unfinished_requests:
-        for core_out in scheduler.update_from_output(out, executor.execute_model(out)):
+        for core_out in scheduler.update_from_output(out, executor.execute_model(out).get()):
             outputs.setdefault(core_out.request_id, []).extend(core_out.new_token_ids)
         out = scheduler.schedule()
-        check_invariants(scheduler, out)
         assert len({r.lora_int_id for r in scheduler.running} - {0}) <= 2
     assert outputs == {r: reference_output(p, 4) for r, p in prompts.items()}
 
@@ -210,7 +278,7 @@ def test_shared_blocks_are_one_copy() -> None:
     system = list(range(3, 19))
     scheduler.add_request(make_request("a", [*system, 30], max_tokens=8))
     out = scheduler.schedule()
-    scheduler.update_from_output(out, FakeExecutor(scheduler).execute_model(out))
+    scheduler.update_from_output(out, FakeExecutor(scheduler).execute_model(out).get())
     scheduler.add_request(make_request("b", [*system, 31], max_tokens=8))
     scheduler.schedule()
     blocks_a = scheduler.kv_manager.get_block_ids("a")
@@ -219,26 +287,52 @@ def test_shared_blocks_are_one_copy() -> None:
     assert blocks_a[4] != blocks_b[4]
 
 
-def test_preemption_gives_identical_outputs() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_gives_identical_outputs(async_scheduling: bool) -> None:
     prompts = {f"r{i}": [3 + (i * 5 + j) % 41 for j in range(9 + i)] for i in range(5)}
-    roomy = make_scheduler(num_blocks=200)
-    tight = make_scheduler(num_blocks=12)
-    for scheduler in (roomy, tight):
+    roomy = make_core(async_scheduling, num_blocks=200)
+    tight = make_core(async_scheduling, num_blocks=12)
+    for core in (roomy, tight):
         for request_id, prompt in prompts.items():
-            scheduler.add_request(make_request(request_id, prompt, max_tokens=20))
-    assert run_to_completion(roomy) == run_to_completion(tight)
-    assert tight.num_preemptions > 0
-    assert roomy.num_preemptions == 0
+            core.add_request(make_request(request_id, prompt, max_tokens=20))
+    outputs = run_core_to_completion(roomy)
+    assert outputs == run_core_to_completion(tight)
+    assert outputs == {r: reference_output(p, 20) for r, p in prompts.items()}
+    assert tight.scheduler.num_preemptions > 0
+    assert roomy.scheduler.num_preemptions == 0
 
 
-def test_priority_policy_preempts_least_important() -> None:
-    scheduler = make_scheduler(num_blocks=9, policy="priority", max_num_batched_tokens=64)
-    scheduler.add_request(make_request("low", list(range(3, 15)), max_tokens=12, priority=5))
-    scheduler.add_request(make_request("high", list(range(20, 32)), max_tokens=12, priority=0))
-    outputs = run_to_completion(scheduler)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_priority_policy_preempts_least_important(async_scheduling: bool) -> None:
+    core = make_core(async_scheduling, num_blocks=9, policy="priority",
+                     max_num_batched_tokens=64)
+    core.add_request(make_request("low", list(range(3, 15)), max_tokens=12, priority=5))
+    core.add_request(make_request("high", list(range(20, 32)), max_tokens=12, priority=0))
+    outputs = run_core_to_completion(core)
     assert outputs["high"] == reference_output(list(range(20, 32)), 12)
     assert outputs["low"] == reference_output(list(range(3, 15)), 12)
-    assert scheduler.num_preemptions > 0
+    assert core.scheduler.num_preemptions > 0
+
+
+def test_async_scheduling_keeps_one_step_in_flight() -> None:
+    core = make_core(True)
+    prompt = list(range(3, 9))
+    core.add_request(make_request("a", prompt, max_tokens=3))
+    assert core.step() == []  # the prefill is queued, not reported yet
+    request = core.scheduler.requests["a"]
+    # the decode of the token being sampled is planned before it is known
+    assert request.num_output_placeholders == 1 and request.num_computed_tokens == 6
+    [first] = core.step()
+    assert first.new_token_ids == reference_output(prompt, 1)
+    assert request.num_output_placeholders == 1 and request.num_computed_tokens == 7
+    [second] = core.step()
+    # the third token is the last (max_tokens): nothing more is scheduled
+    assert request.num_output_placeholders == 1 and request.num_computed_tokens == 8
+    [third] = core.step()
+    assert third.finish_reason == "length" and not core.has_unfinished_requests()
+    assert [*first.new_token_ids, *second.new_token_ids, *third.new_token_ids] == (
+        reference_output(prompt, 3))
+    assert core.num_steps == 3
 
 
 @pytest.mark.parametrize(
@@ -254,27 +348,37 @@ def test_requests_that_can_never_fit_are_rejected(
     assert not scheduler.has_unfinished_requests
 
 
-def test_abort_frees_blocks_and_others_finish() -> None:
-    scheduler = make_scheduler()
-    scheduler.add_request(make_request("a", list(range(3, 20)), max_tokens=10))
-    scheduler.add_request(make_request("b", list(range(5, 9)), max_tokens=10))
-    out = scheduler.schedule()
-    scheduler.update_from_output(out, FakeExecutor(scheduler).execute_model(out))
-    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    outputs = run_to_completion(scheduler)
-    assert outputs["b"] == reference_output(list(range(5, 9)), 10)[1:]
-    pool = scheduler.kv_manager.pool
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_frees_blocks_and_others_finish(async_scheduling: bool) -> None:
+    core = make_core(async_scheduling)
+    core.add_request(make_request("a", list(range(3, 20)), max_tokens=10))
+    core.add_request(make_request("b", list(range(5, 9)), max_tokens=10))
+    outputs: dict[str, list[int]] = {}
+    for core_out in core.step() + core.step():
+        outputs.setdefault(core_out.request_id, []).extend(core_out.new_token_ids)
+    core.abort_requests(["a"])  # with async scheduling a's next step is in flight
+    for request_id, tokens in run_core_to_completion(core).items():
+        outputs.setdefault(request_id, []).extend(tokens)
+    assert outputs["b"] == reference_output(list(range(5, 9)), 10)
+    # two steps report two tokens each, or one with the second still in flight
+    assert outputs["a"] == reference_output(list(range(3, 20)), 1 if async_scheduling else 2)
+    pool = core.scheduler.kv_manager.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
 
 
-def test_stop_token_and_eos() -> None:
-    scheduler = make_scheduler()
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_token_and_eos(async_scheduling: bool) -> None:
+    core = make_core(async_scheduling)
     prompt = list(range(3, 10))
     expected = reference_output(prompt, 10)
     params = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[expected[3]])
-    scheduler.add_request(Request("a", prompt, params, eos_token_ids=(EOS,)))
-    outputs = run_to_completion(scheduler)
+    core.add_request(Request("a", prompt, params, eos_token_ids=(EOS,)))
+    core.add_request(make_request("b", prompt, max_tokens=10))
+    outputs = run_core_to_completion(core)
     assert outputs["a"] == expected[: expected.index(expected[3]) + 1]
+    assert outputs["b"] == expected
+    pool = core.scheduler.kv_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
 
 
 def test_block_pool_lru_eviction_keeps_recent_prefixes() -> None:
@@ -291,10 +395,12 @@ def test_block_pool_lru_eviction_keeps_recent_prefixes() -> None:
     assert pool.get_cached_block(b"b") is b
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_randomised_add_abort_step_keeps_invariants(seed: int) -> None:
+def test_randomised_add_abort_step_keeps_invariants(seed: int, async_scheduling: bool) -> None:
     rng = random.Random(seed)
-    scheduler = make_scheduler(
+    core = make_core(
+        async_scheduling,
         num_blocks=rng.choice([10, 16, 40]),
         block_size=rng.choice([2, 4, 8]),
         max_num_batched_tokens=rng.choice([4, 16, 64]),
@@ -302,37 +408,37 @@ def test_randomised_add_abort_step_keeps_invariants(seed: int) -> None:
         max_model_len=64,
         policy=rng.choice(["fcfs", "priority"]),
     )
-    executor = FakeExecutor(scheduler)
     prefixes = [[3 + rng.randrange(40) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
     expected: dict[str, list[int]] = {}
     got: dict[str, list[int]] = {}
     aborted: set[str] = set()
-    for step in range(300):
+    for step_index in range(300):
         action = rng.random()
         if action < 0.15:
             suffix = [3 + rng.randrange(40) for _ in range(rng.randrange(1, 8))]
             prompt = rng.choice(prefixes) + suffix
             max_tokens = rng.randrange(1, 12)
-            request = make_request(f"q{step}", prompt, max_tokens, priority=rng.randrange(3))
+            request = make_request(f"q{step_index}", prompt, max_tokens,
+                                   priority=rng.randrange(3))
             try:
-                scheduler.add_request(request)
+                core.add_request(request)
             except ValueError:
                 continue
             expected[request.request_id] = reference_output(prompt, max_tokens)
-        elif action < 0.2 and scheduler.requests:
-            victim = rng.choice(sorted(scheduler.requests))
-            scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+        elif action < 0.2 and core.scheduler.requests:
+            victim = rng.choice(sorted(core.scheduler.requests))
+            core.abort_requests([victim])
             aborted.add(victim)
-        out = scheduler.schedule()
-        check_invariants(scheduler, out)
-        for core_out in scheduler.update_from_output(out, executor.execute_model(out)):
+        for core_out in core.step():
             got.setdefault(core_out.request_id, []).extend(core_out.new_token_ids)
-    for request_id, tokens in run_to_completion(scheduler).items():
+    for request_id, tokens in run_core_to_completion(core).items():
         got.setdefault(request_id, []).extend(tokens)
     for request_id, tokens in expected.items():
         if request_id not in aborted:
             assert got[request_id] == tokens, request_id
-    pool = scheduler.kv_manager.pool
+        else:
+            assert got.get(request_id, []) == tokens[:len(got.get(request_id, []))]
+    pool = core.scheduler.kv_manager.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
     for block in pool.blocks[1:]:
         assert block.ref_cnt == 0
