@@ -63,6 +63,11 @@ for stage in $stages; do
 import json, sys
 from pathlib import Path
 
+def host(r):
+    stats = r.get("engine_stats")  # older JSON has none
+    return "" if stats is None else f", host {100 * stats['host_share']:.1f}%"
+
+
 rows = []
 for path in sorted(Path(sys.argv[1]).glob("*.json")):
     r = json.loads(path.read_text())
@@ -73,13 +78,14 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
             f", {decode:.1f} decode tok/s, TPOT {r['mean_tpot_ms']:.2f} ms, "
             f"MBU {100 * r['mbu_vs_copy']:.1f}% of copy"))
         figure += f", prefill MFU {100 * r['prefill_mfu']:.1f}%"
+        figure += host(r)
         rows.append((path.stem, r["card"], f"latency: batch {r['batch_size']}, prompt "
                      f"{r['input_len']}, {r['output_len']} new", figure, rates))
     elif r["benchmark"] == "throughput":
         rows.append((path.stem, r["card"], f"throughput: {r['workload']}, {r['num_requests']} "
                      "requests", f"{r['output_tok_s']:,.0f} output tok/s, {r['total_tok_s']:,.0f} "
                      f"total tok/s, {r['requests_per_s']:.2f} req/s, {r['elapsed_s']:.1f} s, "
-                     f"{100 * r['compute_roofline_share']:.1f}% of matmul", rates))
+                     f"{100 * r['compute_roofline_share']:.1f}% of matmul{host(r)}", rates))
     else:
         for name, p in r["peers"].items():
             if "error" in p:
