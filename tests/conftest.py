@@ -272,6 +272,9 @@ def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     real_empty = torch.empty
 
     def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        # a `with torch.device(...)` block may have cached this wrapper, not
+        # torch.empty, as the constructor it redirects: name its device here
+        kwargs.setdefault("device", torch.get_default_device())
         tensor = real_empty(*args, **kwargs)
         return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
 

@@ -1,7 +1,8 @@
 """The switch between the layers' torch code and their Triton kernels.
 
-``RMSNorm``, ``SiluAndMul`` and ``RotaryEmbedding`` each carry a
-``use_triton`` flag (False by default, so CPU runs never import Triton);
+``RMSNorm``, ``SiluAndMul``, ``RotaryEmbedding``, ``Linear`` (and its
+subclasses) and ``LMHead`` each carry a ``use_triton`` flag (False by
+default, so CPU runs never import Triton);
 ``set_triton_ops`` sets it on every such module of a model. The model runner
 turns it on with the Triton attention backend on CUDA. This module owns only
 the flag flipping, not the kernels (``kvserve/kernels``) nor the choice of
@@ -15,12 +16,15 @@ import importlib
 from torch import nn
 
 from kvserve.layers.activation import SiluAndMul
+from kvserve.layers.embedding import LMHead
+from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 
-TRITON_LAYERS = (RMSNorm, SiluAndMul, RotaryEmbedding)
+TRITON_LAYERS = (RMSNorm, SiluAndMul, RotaryEmbedding, Linear, LMHead)
 TRITON_KERNEL_MODULES = (
     "kvserve.kernels.rms_norm", "kvserve.kernels.activation", "kvserve.kernels.rotary",
+    "kvserve.kernels.skinny_gemm",
 )
 
 

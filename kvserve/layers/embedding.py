@@ -1,5 +1,7 @@
 """Token embedding and the LM head (optionally tied to the embedding).
 
+The head's matmul follows ``Linear``'s ``use_triton`` switch (the skinny
+Triton GEMM for one row, a batch-1 decode step's logits).
 No vocab padding or TP vocab split yet; both would live here.
 """
 
@@ -8,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvserve.layers.linear import apply_linear
 
 
 class VocabEmbedding(nn.Module):
@@ -37,6 +41,7 @@ class LMHead(nn.Module):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.tied = tied_to is not None
+        self.use_triton = False
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
@@ -44,4 +49,5 @@ class LMHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # matmul in the model dtype, logits in float32 for the sampler
-        return F.linear(hidden_states, self.weight).float()  # [num_tokens, vocab_size]
+        logits = apply_linear(hidden_states, self.weight, None, self.use_triton)
+        return logits.float()  # [num_tokens, vocab_size]

@@ -10,6 +10,12 @@ the model's ``load_weights`` routes checkpoint tensors through it (found via
 ``get_weight_loader``). With TP a loader will also narrow ``loaded`` to its
 rank's slice; nothing else needs to change.
 Quantized weights and TP communication are not handled here.
+
+With ``use_triton`` (see ``layers/custom_ops.py``) a one-row forward in 16
+bits, a batch-1 decode step's, runs the skinny GEMM of
+``kernels/skinny_gemm.py`` (imported only then), the down projection with
+the SiLU gate fused in (``forward_gated``); every other input, and every
+input without the flag, runs ``F.linear``, the oracle.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvserve.layers.activation import SiluAndMul
 
 ShardId = str | int | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
@@ -56,6 +64,19 @@ def default_weight_loader(
     _copy_checked(param.data, loaded)
 
 
+def apply_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_triton: bool
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; with ``use_triton``, the skinny Triton GEMM
+    where it applies (see ``skinny_supported``: one row, bfloat16 or float16)."""
+    if use_triton:
+        from kvserve.kernels.skinny_gemm import skinny_matmul, skinny_supported
+
+        if skinny_supported(x, weight):
+            return skinny_matmul(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _new_param(*shape: int) -> nn.Parameter:
     # dtype and device come from the caller's defaults (the loader sets them)
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -68,6 +89,7 @@ class Linear(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
+        self.use_triton = False
         self.weight = _new_param(output_size, input_size)  # [output_size, input_size]
         self.bias: nn.Parameter | None = None
         if bias:
@@ -79,7 +101,18 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return apply_linear(x, self.weight, self.bias, self.use_triton)
+
+    def forward_gated(self, gate_up: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
+        """``self(act_fn(gate_up))``. With ``use_triton`` and a SiLU gate, a
+        one-row input runs the skinny GEMM with the activation computed as it
+        loads ``gate_up``: one kernel instead of two, the same rounding."""
+        if self.use_triton and isinstance(act_fn, SiluAndMul):
+            from kvserve.kernels.skinny_gemm import skinny_matmul, skinny_supported
+
+            if skinny_supported(gate_up, self.weight):
+                return skinny_matmul(gate_up, self.weight, self.bias, gated=True)
+        return self(act_fn(gate_up))
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"

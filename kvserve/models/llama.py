@@ -24,6 +24,7 @@ from kvserve.layers.activation import get_act_and_mul
 from kvserve.layers.attention import Attention
 from kvserve.layers.embedding import LMHead, VocabEmbedding
 from kvserve.layers.linear import (
+    Linear,
     MergedColumnLinear,
     QKVLinear,
     RowLinear,
@@ -48,6 +49,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
+        if isinstance(self.down_proj, Linear):  # not when a LoRA wrapper replaced it
+            return self.down_proj.forward_gated(gate_up, self.act_fn)
         return self.down_proj(self.act_fn(gate_up))
 
 

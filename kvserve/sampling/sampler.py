@@ -10,6 +10,7 @@ The order of operations is:
 
 Logprobs are of the raw model distribution (log_softmax of the logits as
 given, before any of the above), as vLLM returns them by default.
+Both argmaxes (greedy rows, the race) take ``kernels/argmax.py`` on CUDA logits.
 
 This module must not synchronise with the host: no ``.item()``, no
 ``.tolist()``, no branches on tensor values, no blocking host-to-device
@@ -19,6 +20,7 @@ copies (``to_device`` queues them). Every branch is on a flag that
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +32,8 @@ from kvserve.host_copy import to_device
 # top_p rows keep tokens until the kept mass reaches top_p - this slack, so
 # float32 rounding of softmax/cumsum does not add one more token on exact cuts
 _TOP_P_SLACK = 1e-6
+# looked up, not imported: CPU runs never load Triton
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -235,8 +239,26 @@ def _forbidden_tokens(
     )
 
 
+def row_argmax(x: torch.Tensor, use_triton: bool = True) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of ``[R, V]`` ``x`` (the first maximum, ties and NaN
+    as torch's): the Triton kernel when ``use_triton``, ``x`` is on CUDA and
+    Triton is installed (imported only then), else torch's one-block-per-row
+    reduction."""
+    if use_triton and x.is_cuda and _HAS_TRITON:
+        from kvserve.kernels.argmax import argmax_rows as triton_argmax_rows
+
+        return triton_argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 class Sampler:
-    """Samples one token per row from ``[R, vocab]`` logits; stateless."""
+    """Samples one token per row from ``[R, vocab]`` logits; stateless.
+
+    ``use_triton=False`` keeps torch's argmax on CUDA too (the reference).
+    """
+
+    def __init__(self, use_triton: bool = True) -> None:
+        self.use_triton = use_triton
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample the next token of every row of ``logits`` ([R, vocab]).
@@ -268,9 +290,8 @@ class Sampler:
             return SamplerOutput(sampled_token_ids=sampled)
         return gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy_ids = None if batch.all_random else logits.argmax(dim=-1)
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy_ids = None if batch.all_random else row_argmax(logits, self.use_triton)
         if batch.all_greedy and greedy_ids is not None:
             return greedy_ids
         # a new tensor: the masks below may work in place
@@ -279,7 +300,7 @@ class Sampler:
             apply_min_p_(logits, batch.min_p)
         logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
         probs = torch.softmax(logits, dim=-1)
-        random_ids = exponential_race(probs, batch.generators)
+        random_ids = exponential_race(probs, batch.generators, self.use_triton)
         if greedy_ids is None:
             return random_ids
         return torch.where(batch.greedy_mask, greedy_ids, random_ids)
@@ -333,11 +354,14 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(
+    probs: torch.Tensor, generators: dict[int, torch.Generator], use_triton: bool = True
+) -> torch.Tensor:
     """Sample each row of ``probs`` as argmax(probs / E), E ~ Exponential(1).
 
     Seeded rows draw their noise from their own generator, so their tokens do
     not depend on the other rows; the rest share the default generator.
+    ``use_triton`` as ``row_argmax``'s.
     """
     noise = torch.empty_like(probs)
     noise.exponential_()
@@ -345,7 +369,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         noise[row].exponential_(generator=generator)
     # E == 0 would turn a masked token's 0 / 0 into NaN, which argmax picks
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+    return row_argmax(probs / noise, use_triton)
 
 
 def gather_logprobs(

@@ -161,9 +161,10 @@ class ModelRunner:
         self.backend = get_attention_backend(attention_backend)
         # the fused Triton small ops go with the Triton attention backend on
         # CUDA; the torch backend keeps the whole forward as the reference
-        if device.type == "cuda" and attention_backend == "triton":
+        use_triton = device.type == "cuda" and attention_backend == "triton"
+        if use_triton:
             set_triton_ops(model, True)
-        self.sampler = Sampler()
+        self.sampler = Sampler(use_triton=use_triton)
         self.states: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0

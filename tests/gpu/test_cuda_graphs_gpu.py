@@ -90,7 +90,16 @@ def test_async_scheduling_on_and_off_give_identical_tokens(
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-def test_batch_1_equals_batch_64_with_graphs(tiny_checkpoint: Callable[[str], Path]) -> None:
+def test_batch_1_equals_batch_64_with_graphs(tiny_checkpoint: Callable[[str], Path],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request alone gets the tokens it gets in a batch of 64: padding, block
+    tables, split-K decode and graphs keep requests apart and compute each row
+    alike. The one-row skinny GEMM is switched off: a batch-1 step runs it
+    where a batch runs cuBLAS, and the two sum in different orders (decision
+    0009), which can flip a bfloat16 near-tie of these peaked tiny models."""
+    from kvserve.kernels import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "LAYER_MAX_M", 0)
     llm = LLM(model=str(tiny_checkpoint("llama")), dtype="bfloat16", device="cuda",
               max_num_seqs=64, gpu_memory_utilization=0.3)
     prompts = _prompts(64, seed=1)

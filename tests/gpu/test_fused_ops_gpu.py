@@ -6,9 +6,14 @@ bfloat16 and float16. Each output must be NaN-free (fresh outputs are
 allocated NaN-poisoned) with relative error under 1e-2, and at least 99 %
 of its elements bit-equal to torch with the same rounding sequence (the
 compiled kernels round to nearest even, so this checks the rounding
-semantics). Then the kernels captured in a CUDA graph and replayed on new
-inputs, and a tiny Qwen3's hidden states with ``set_triton_ops`` on and off
-(float32: within 1e-4; bfloat16: no farther from float32 than torch's).
+semantics). The skinny GEMM, which sums in another order than cuBLAS, is
+held to the relative error alone, against ``F.linear`` in float32, for 1 to
+16 rows on Llama-3-8B's five projection shapes and odd ones, with its
+default and alternative configurations. Then the kernels captured in a CUDA
+graph and replayed on new inputs, and a tiny Qwen3's hidden states and
+logits with ``set_triton_ops`` on and off over a 10-token step and a
+one-row decode (float32: within 1e-4; bfloat16, where every linear of the
+one-row step takes the skinny GEMM: no farther from float32 than torch's).
 
 Kernel modules are imported inside the tests, so collecting this file on a
 CPU machine never decorates them before the CPU interpreter tests switch the
@@ -23,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvserve.attention.backend import get_attention_backend
 from kvserve.layers.activation import SiluAndMul
@@ -48,6 +54,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 MAX_POSITION = 32768
+# (N, K): qkv, o, gate_up, down, lm_head of Llama-3-8B, then sizes no block divides
+LINEAR_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+                 (1000, 4000), (333, 1027)]
+SKINNY_ROWS = [1, 2, 5, 8, 16]
 
 
 @pytest.fixture(autouse=True)
@@ -141,10 +151,66 @@ def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, num_tokens: int, parti
     assert torch.equal(qkv[:, v_start:], before[:, v_start:])  # v untouched
 
 
+def check_linear(out: torch.Tensor, x: torch.Tensor, weight32: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+    """``out`` close to ``F.linear`` in float32 on the upcast inputs."""
+    ref = F.linear(x.float(), weight32, None if bias is None else bias.float())
+    assert out.shape == ref.shape and out.dtype == x.dtype and out.is_contiguous()
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} output elements NaN or unwritten"
+    error = ((out.float() - ref).norm() / ref.norm()).item()
+    assert error < MAX_ERROR, f"{tuple(x.shape)} x {tuple(weight32.shape)}: rel error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k", LINEAR_SHAPES, ids=[f"{n}x{k}" for n, k in LINEAR_SHAPES])
+def test_skinny_matmul(dtype: torch.dtype, n: int, k: int) -> None:
+    from kvserve.kernels.skinny_gemm import skinny_matmul
+
+    weight = randn(n, k, dtype=dtype, scale=0.02)
+    weight32 = weight.float()
+    bias = randn(n, dtype=dtype)
+    for m in SKINNY_ROWS:
+        x = randn(m, k, dtype=dtype)
+        check_linear(skinny_matmul(x, weight), x, weight32, None)
+        check_linear(skinny_matmul(x, weight, bias), x, weight32, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_gated_skinny_matmul_is_silu_and_mul_then_matmul(dtype: torch.dtype) -> None:
+    from kvserve.kernels.activation import silu_and_mul
+    from kvserve.kernels.skinny_gemm import skinny_matmul
+
+    gate_up = randn(1, 2 * INTERMEDIATE, dtype=dtype, scale=2.0)
+    weight = randn(HIDDEN, INTERMEDIATE, dtype=dtype, scale=0.02)
+    fused = skinny_matmul(gate_up, weight, gated=True)
+    assert torch.equal(fused, skinny_matmul(silu_and_mul(gate_up), weight))
+    check_linear(fused, SiluAndMul()(gate_up), weight.float(), None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 4000)], ids=["4096x4096", "1000x4000"])
+def test_skinny_matmul_configs(dtype: torch.dtype, n: int, k: int) -> None:
+    from kvserve.kernels.skinny_gemm import SkinnyConfig, skinny_matmul
+
+    configs = [  # FMA (any rows), mma.sync (block_n 16, 32), wgmma (block_n 64, 4 warps)
+        SkinnyConfig(8, 1024, 4, 3, use_dot=False), SkinnyConfig(32, 128, 8, 1, use_dot=False),
+        SkinnyConfig(16, 256, 1, 4, use_dot=True), SkinnyConfig(32, 128, 2, 4, use_dot=True),
+        SkinnyConfig(64, 64, 4, 4, use_dot=True), SkinnyConfig(64, 128, 8, 3, use_dot=True),
+    ]
+    weight = randn(n, k, dtype=dtype, scale=0.02)
+    weight32 = weight.float()
+    for m in (1, 2, 5, 16):
+        x = randn(m, k, dtype=dtype)
+        for config in configs:
+            if config.use_dot or m <= 2:  # FMA's accumulator grows with the rows
+                check_linear(skinny_matmul(x, weight, None, config), x, weight32, None)
+
+
 def test_kernels_replay_in_a_cuda_graph() -> None:
     from kvserve.kernels.activation import silu_and_mul
     from kvserve.kernels.rms_norm import add_rms_norm
     from kvserve.kernels.rotary import apply_rotary
+    from kvserve.kernels.skinny_gemm import skinny_matmul
 
     dtype, num_tokens = torch.bfloat16, 64
     weight = make_norm(HIDDEN, dtype).weight
@@ -153,10 +219,12 @@ def test_kernels_replay_in_a_cuda_graph() -> None:
     gate_up = randn(num_tokens, 2 * INTERMEDIATE, dtype=dtype)
     qkv, q, k, _ = packed_qkv(num_tokens, dtype)
     positions = torch.randint(0, MAX_POSITION, (num_tokens,), device="cuda")
+    o_proj = randn(HIDDEN, HIDDEN, dtype=dtype, scale=0.02)
 
     def step() -> tuple[torch.Tensor, ...]:
         apply_rotary(positions, q, k, rope.cos_sin_cache, HEAD_DIM, HEAD_DIM)
-        return (*add_rms_norm(x, residual, weight, 1e-5), silu_and_mul(gate_up))
+        return (*add_rms_norm(x, residual, weight, 1e-5), silu_and_mul(gate_up),
+                skinny_matmul(x[:1], o_proj), skinny_matmul(x[:16], o_proj))
 
     qkv_input = qkv.clone()
     step()  # compile outside the capture
@@ -175,35 +243,59 @@ def test_kernels_replay_in_a_cuda_graph() -> None:
     assert torch.equal(graph_qkv, qkv)
 
 
-def tiny_model_hidden_states(path: Path, dtype: torch.dtype, triton_ops: bool) -> torch.Tensor:
-    """One forward (a 9-token prefill and a decode at position 20) of a tiny model."""
+def tiny_model_outputs(path: Path, dtype: torch.dtype, triton_ops: bool) -> list[torch.Tensor]:
+    """Hidden states and logits of two forwards of a tiny model: a 9-token
+    prefill with a decode at position 20, then that decode alone (one row)."""
     config, model_path = resolve_model_config(str(path))
     model = load_model(config, model_path, "auto", dtype, torch.device("cuda"))
     set_triton_ops(model, triton_ops)
     caches = [torch.zeros(2, 10, 4, config.num_kv_heads, config.head_dim, dtype=dtype,
                           device="cuda") for _ in range(config.num_layers)]
     bind_kv_cache(model, caches, get_attention_backend("torch"))
-    metadata, positions = make_attention_metadata(
-        [9, 1], [9, 21], [[3, 1, 7], [2, 5, 4, 6, 9, 8]], block_size=4, device="cuda")
     input_ids = torch.arange(3, 13, device="cuda")
+    outputs = []
     with torch.inference_mode():
-        return model(input_ids, positions, metadata).float()
+        for query_lens, seq_lens, tables in (([9, 1], [9, 21], [[3, 1, 7], [2, 5, 4, 6, 9, 8]]),
+                                             ([1], [21], [[2, 5, 4, 6, 9, 8]])):
+            metadata, positions = make_attention_metadata(query_lens, seq_lens, tables,
+                                                          block_size=4, device="cuda")
+            hidden = model(input_ids[:len(positions)], positions, metadata)
+            outputs += [hidden.float(), model.compute_logits(hidden)]
+    return outputs
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def test_tiny_model_hidden_states_match(tiny_checkpoint: Callable[[str], Path]) -> None:
+def test_tiny_model_hidden_states_match(tiny_checkpoint: Callable[[str], Path],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve.kernels import skinny_gemm
+
+    calls: list[int] = []
+    skinny_matmul = skinny_gemm.skinny_matmul
+
+    def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return skinny_matmul(x, *args, **kwargs)
+
+    monkeypatch.setattr(skinny_gemm, "skinny_matmul", counted)
     # qwen3: per-head q/k norm on qkv views, rope on [num_tokens, heads, head_dim]
     path = tiny_checkpoint("qwen3")
-    oracle = tiny_model_hidden_states(path, torch.float32, triton_ops=False)
-    fp32 = tiny_model_hidden_states(path, torch.float32, triton_ops=True)
-    assert rel_error(fp32, oracle) < 1e-4
+    num_layers = resolve_model_config(str(path))[0].num_layers
+    oracle = tiny_model_outputs(path, torch.float32, triton_ops=False)
+    fp32 = tiny_model_outputs(path, torch.float32, triton_ops=True)
+    assert calls == []  # float32 keeps F.linear
+    for out, ref in zip(fp32, oracle, strict=True):
+        assert rel_error(out, ref) < 1e-4
     # the tiny models' attention is peaked, so bfloat16 drifts from float32 on
     # either path: the Triton path must drift no more than the torch one (its
     # rope rounds once where torch rounds four times)
-    bf16 = tiny_model_hidden_states(path, torch.bfloat16, triton_ops=True)
-    bf16_torch = tiny_model_hidden_states(path, torch.bfloat16, triton_ops=False)
-    assert not bf16.isnan().any()
-    assert rel_error(bf16, oracle) < max(MAX_ERROR, 1.5 * rel_error(bf16_torch, oracle))
+    bf16 = tiny_model_outputs(path, torch.bfloat16, triton_ops=True)
+    # the one-row step: qkv, o, gate_up and down of every layer, and the head,
+    # take the skinny GEMM
+    assert calls == [1] * (4 * num_layers + 1)
+    bf16_torch = tiny_model_outputs(path, torch.bfloat16, triton_ops=False)
+    for out, out_torch, ref in zip(bf16, bf16_torch, oracle, strict=True):
+        assert not out.isnan().any()
+        assert rel_error(out, ref) < max(MAX_ERROR, 1.5 * rel_error(out_torch, ref))

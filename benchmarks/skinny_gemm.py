@@ -1,0 +1,193 @@
+"""The skinny GEMM (``kvserve/kernels/skinny_gemm.py``) against ``F.linear``
+(cuBLAS) on the GPU, at Llama-3-8B's five weight shapes (qkv, o_proj,
+gate_up, down, lm_head; bf16) and 1, 2, 4, 8, 16 rows: the weight GEMMs of
+a decode step of that many requests.
+
+Each candidate is timed inside a CUDA graph of ``CALLS_PER_GRAPH``
+back-to-back calls replayed ``REPLAYS`` times (so launch gaps are the
+graph's, as in a decode step). The calls rotate over enough copies of the
+weight (at least ``ROTATION_BYTES`` in all, several times the 50-60 MB L2)
+that every call reads its weight from HBM. GB/s counts the bytes a call
+must move (weight, x, output) over its time, beside the device-to-device
+copy rate (1 GiB, read + written) measured in the same run. Candidates:
+``F.linear``, ``skinny_matmul``'s default configuration, and a sweep of
+alternatives (FMA tiles for 1-2 rows, ``tl.dot`` tiles for all). Every
+skinny result is checked against ``F.linear`` (relative error of the norm
+below 1e-2); the script exits 1 on a mismatch. One line per candidate as it
+runs, then one markdown table last.
+
+    PYTHONPATH=. python benchmarks/skinny_gemm.py [--no-sweep] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.bench.device_rates import copy_rate_gb_s
+from kvserve.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_matmul
+
+SHAPES = {  # name: (N, K) of the weight [N, K]
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+ROWS = (1, 2, 4, 8, 16)
+DTYPE = torch.bfloat16
+CALLS_PER_GRAPH = 48
+REPLAYS = 10
+ROTATION_BYTES = 256 << 20
+MAX_ERROR = 1e-2
+# (block_n, block_k at one row, num_warps, num_stages); FMA halves block_k per
+# doubling of the rows, so its accumulator stays the same size
+FMA_SWEEP = [(8, 1024, 4, 3), (16, 512, 4, 3), (8, 512, 4, 4), (16, 256, 2, 4),
+             (32, 256, 8, 3), (8, 1024, 4, 1)]
+FMA_SWEEP_MAX_ROWS = 2
+# (block_n, block_k, num_warps, num_stages): mma.sync at block_n 16 / 32, wgmma at 64
+DOT_SWEEP = [(16, 256, 1, 4), (16, 256, 2, 4), (16, 512, 1, 3), (16, 128, 1, 6),
+             (32, 128, 2, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3)]
+
+
+def graph_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
+    """µs per call of ``fn(weight)``, rotating over ``weights``, in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile, pick cuBLAS kernels outside the capture
+        for weight in weights:
+            fn(weight)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS_PER_GRAPH):
+            fn(weights[i % len(weights)])
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (REPLAYS * CALLS_PER_GRAPH)
+
+
+def sweep_configs(rows: int) -> list[SkinnyConfig]:
+    block_m = 1 << (rows - 1).bit_length()
+    configs = []
+    if rows <= FMA_SWEEP_MAX_ROWS:
+        configs += [SkinnyConfig(n, max(16, k // block_m), w, s, use_dot=False)
+                    for n, k, w, s in FMA_SWEEP]
+    configs += [SkinnyConfig(n, k, w, s, use_dot=True) for n, k, w, s in DOT_SWEEP]
+    return configs
+
+
+def config_name(c: SkinnyConfig) -> str:
+    kind = "dot" if c.use_dot else "fma"
+    return f"{kind} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
+
+
+@dataclass
+class Timing:
+    config: str
+    us: float
+    gb_s: float
+    error: float  # relative to F.linear's output
+
+
+@dataclass
+class Case:
+    shape: str
+    n: int
+    k: int
+    rows: int
+    linear_us: float
+    linear_gb_s: float
+    timings: list[Timing]  # the default config first
+
+    @property
+    def best(self) -> Timing:
+        return min(self.timings, key=lambda t: t.us)
+
+    @property
+    def max_error(self) -> float:
+        return max(t.error for t in self.timings)
+
+
+def run_case(shape: str, weights: list[torch.Tensor], rows: int, sweep: bool,
+             num_sms: int) -> Case:
+    n, k = weights[0].shape
+    x = torch.randn(rows, k, dtype=DTYPE, device="cuda")
+    num_bytes = (n * k + rows * k + rows * n) * weights[0].element_size()
+    ref = F.linear(x, weights[0]).float()
+    linear_us = graph_us(lambda w: F.linear(x, w), weights)
+    default = default_config(rows, n, k, num_sms)
+    candidates = [default] + [c for c in (sweep_configs(rows) if sweep else []) if c != default]
+    timings = []
+    for config in candidates:
+        out = skinny_matmul(x, weights[0], None, config).float()
+        error = ((out - ref).norm() / ref.norm()).item()
+        us = graph_us(functools.partial(skinny_matmul, x, bias=None, config=config), weights)
+        timings.append(Timing(config_name(config), us, num_bytes / us / 1e3, error))
+        print(f"  {shape:8} M={rows:<2d} {config_name(config):24} {us:8.2f} µs "
+              f"{num_bytes / us / 1e3:6.0f} GB/s  err {error:.1e}"
+              f"{'' if error < MAX_ERROR else '  MISMATCH'}", flush=True)
+    print(f"  {shape:8} M={rows:<2d} {'F.linear':24} {linear_us:8.2f} µs "
+          f"{num_bytes / linear_us / 1e3:6.0f} GB/s", flush=True)
+    return Case(shape, n, k, rows, linear_us, num_bytes / linear_us / 1e3, timings)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-sweep", action="store_true", help="time the default config only")
+    parser.add_argument("--json", default=None, help="also write every result to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    card = torch.cuda.get_device_name()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    copy_gb_s = copy_rate_gb_s()
+    print(f"{card} ({num_sms} SMs): device-to-device copy {copy_gb_s:,.0f} GB/s; "
+          f"{CALLS_PER_GRAPH} calls a graph, {REPLAYS} replays, {DTYPE}", flush=True)
+    cases = []
+    for shape, (n, k) in SHAPES.items():
+        num_copies = -(-ROTATION_BYTES // (n * k * DTYPE.itemsize))
+        weights = [(0.02 * torch.randn(n, k, device="cuda")).to(DTYPE)
+                   for _ in range(num_copies)]
+        for rows in ROWS:
+            cases.append(run_case(shape, weights, rows, not args.no_sweep, num_sms))
+        del weights
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"card": card, "num_sms": num_sms, "copy_gb_s": copy_gb_s,
+                       "cases": [asdict(case) for case in cases]}, f, indent=2)
+    print(f"\n{card}, copy {copy_gb_s:,.0f} GB/s; speed-up = F.linear µs / skinny µs\n")
+    print("| shape | M | F.linear µs | F.linear GB/s | skinny µs | skinny GB/s | of copy "
+          "| speed-up | best config | best GB/s | best speed-up | max rel err |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    for case in cases:
+        default, best = case.timings[0], case.best
+        print(f"| {case.shape} {case.n}x{case.k} | {case.rows} | {case.linear_us:.2f} "
+              f"| {case.linear_gb_s:,.0f} | {default.us:.2f} | {default.gb_s:,.0f} "
+              f"| {default.gb_s / copy_gb_s:.0%} | {case.linear_us / default.us:.2f}x "
+              f"| {best.config} | {best.gb_s:,.0f} | {case.linear_us / best.us:.2f}x "
+              f"| {case.max_error:.1e} |")
+    if any(not case.max_error < MAX_ERROR for case in cases):
+        print(f"\nFAILED: a skinny result differs from F.linear by {MAX_ERROR:.0e} or more")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
