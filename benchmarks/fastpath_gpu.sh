@@ -64,8 +64,14 @@ import json, sys
 from pathlib import Path
 
 def host(r):
+    """The device's idle share (waiting for the host) and the host's busy share."""
     stats = r.get("engine_stats")  # older JSON has none
-    return "" if stats is None else f", host {100 * stats['host_share']:.1f}%"
+    if stats is None:
+        return ""
+    text = f", device idle {100 * stats['host_share']:.1f}%"
+    if "host_busy_share" in stats:
+        text += f", host busy {100 * stats['host_busy_share']:.1f}%"
+    return text
 
 
 rows = []

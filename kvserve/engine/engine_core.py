@@ -65,6 +65,7 @@ class EngineCore:
         self.num_steps = 0
         self.last_step_s = time.monotonic()
         self.device_s = 0.0
+        self.wait_s = 0.0  # time the host spent blocked on a step's output
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -96,7 +97,9 @@ class EngineCore:
             to_report.append((scheduler_output, pending))
         outputs = []
         for reported_output, reported_pending in to_report:
+            start = time.perf_counter()
             runner_output = reported_pending.get()
+            self.wait_s += time.perf_counter() - start
             self.device_s += runner_output.device_s
             outputs += self.scheduler.update_from_output(reported_output, runner_output)
             self.num_steps += not reported_output.is_empty
@@ -111,4 +114,4 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         return {**self.scheduler.stats(), "num_steps": self.num_steps,
-                "device_s": self.device_s}
+                "device_s": self.device_s, "wait_s": self.wait_s}

@@ -345,8 +345,16 @@ class LLMEngine:
         """Scheduler counters, and where the steps' time went: ``device_s`` is
         the device's time from each step's first to its last kernel,
         ``host_share`` the rest of the steps' wall time, when the device sat
-        waiting for the host (scheduling, input preparation, output processing)."""
+        waiting for the host (scheduling, input preparation, output
+        processing); ``host_busy_share`` is the share of the steps' wall time
+        the host spent on that work rather than waiting for a step's output
+        (``wait_s``) — with async scheduling it overlaps the device's work."""
         core = self.core.stats()
         host_s = max(0.0, self.step_s - core["device_s"])
-        return {**core, "step_s": self.step_s, "host_s": host_s,
-                "host_share": host_s / self.step_s if self.step_s > 0 else 0.0}
+        busy_s = max(0.0, self.step_s - core["wait_s"])
+
+        def share(seconds: float) -> float:
+            return seconds / self.step_s if self.step_s > 0 else 0.0
+
+        return {**core, "step_s": self.step_s, "host_s": host_s, "host_share": share(host_s),
+                "host_busy_s": busy_s, "host_busy_share": share(busy_s)}

@@ -76,13 +76,23 @@ class RunnerRequestState:
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property
+    def has_penalties(self) -> bool:
+        params = self.sampling_params
+        return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+                or params.repetition_penalty != 1.0)
+
+    @property
+    def reads_outputs(self) -> bool:
+        """Whether sampling reads the output tokens (penalties) or their count
+        (``min_tokens``); other requests' outputs are never copied for it."""
+        return self.has_penalties or self.sampling_params.min_tokens > 0
+
+    @property
     def needs_known_outputs(self) -> bool:
         """Whether sampling reads the output tokens themselves (penalties) or
         their exact count (still below ``min_tokens``), not just the last one."""
-        params = self.sampling_params
-        return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-                or params.repetition_penalty != 1.0
-                or len(self.token_ids) - len(self.prompt_token_ids) < params.min_tokens)
+        num_outputs = len(self.token_ids) - len(self.prompt_token_ids)
+        return self.has_penalties or num_outputs < self.sampling_params.min_tokens
 
 
 @dataclass
@@ -441,7 +451,8 @@ class ModelRunner:
         batch = SamplingBatch.build(
             [s.sampling_params for s in states],
             [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states],
+            # only penalties and min_tokens read the outputs: the rest skip the copy
+            [s.output_token_ids if s.reads_outputs else () for s in states],
             [s.generator for s in states],
             self.model_config.vocab_size,
             self.device,

@@ -156,6 +156,10 @@ def test_n_samples_logprobs_and_stats(tiny_checkpoint: Callable[[str], Path]) ->
     assert 0.0 < stats["device_s"] <= stats["step_s"]
     assert stats["host_s"] == pytest.approx(stats["step_s"] - stats["device_s"])
     assert 0.0 < stats["host_share"] <= 1.0
+    # the forward runs on the host here, so the time spent waiting for outputs is ~0
+    assert 0.0 <= stats["wait_s"] <= stats["step_s"]
+    assert stats["host_busy_s"] == pytest.approx(stats["step_s"] - stats["wait_s"])
+    assert 0.0 < stats["host_busy_share"] <= 1.0
 
 
 @pytest.fixture(scope="module")
