@@ -226,9 +226,10 @@ class LLMEngine:
         results = []
         for user_id, deltas in changed.items():
             tracked = self._tracked[user_id]
-            if tracked.finished or not tracked.final_only:
+            finished = tracked.finished
+            if finished or not tracked.final_only:
                 results.append(self._make_output(tracked, deltas))
-            if tracked.finished:
+            if finished:
                 self._forget(tracked)
         self.step_s += time.perf_counter() - start
         return results

@@ -359,7 +359,8 @@ class ModelRunner:
             state = self.states[cached.request_id]
             if state.row is None:
                 raise RuntimeError(f"request {cached.request_id} resumed without its blocks")
-            self.block_tables.append(state.row, cached.new_block_ids)
+            if cached.new_block_ids:
+                self.block_tables.append(state.row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _make_generator(self, new: NewRequestData) -> torch.Generator | None:
