@@ -27,6 +27,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,21 +120,22 @@ class PendingStep:
 
     def __init__(
         self,
-        runner: ModelRunner,
         states: list[RunnerRequestState],
-        sampled: SamplerOutput | None,
+        host_tensors: list[torch.Tensor],
         start: Any,
+        end: Any,
+        read_oldest: Callable[[], None],
     ) -> None:
         self.states = states  # the requests that sampled, in row order
-        self.host_tensors = runner._copy_to_host(sampled)  # filled once ``end`` is reached
-        self.start = start
-        self.end = runner._mark()
+        # sampled ids (then logprob ids, logprobs, ranks), valid once ``end`` is reached
+        self.host_tensors = host_tensors
+        self.start, self.end = start, end  # see ModelRunner._mark
         self.output: ModelRunnerOutput | None = None
-        self._runner = runner
+        self._read_oldest = read_oldest  # reads the runner's oldest unread step
 
     def get(self) -> ModelRunnerOutput:
         while self.output is None:
-            self._runner._read_oldest_step()
+            self._read_oldest()
         return self.output
 
 
@@ -480,7 +482,8 @@ class ModelRunner:
             sampled = self.sampler(logits, batch)
             self._last_sampled = (sampled.sampled_token_ids,
                                   {s.request_id: i for i, s in enumerate(states)})
-        step = PendingStep(self, states, sampled, start)
+        host_tensors = self._copy_to_host(sampled)
+        step = PendingStep(states, host_tensors, start, self._mark(), self._read_oldest_step)
         self._unread.append(step)
         return step
 
