@@ -1,6 +1,6 @@
 """``ThreadedEngineClient``: streaming from the background engine thread,
 validation before queuing, abort on early exit, and a dead engine reported
-to every in-flight request."""
+to every in-flight request — with async scheduling off and on."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from kvserve.engine.llm_engine import LLMEngine
 PROMPT = [5, 17, 99, 3, 250, 7, 42]
 
 
-@pytest.fixture
-def client(tiny_checkpoint: Callable[[str], Path]) -> ThreadedEngineClient:
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def client(tiny_checkpoint: Callable[[str], Path],
+           request: pytest.FixtureRequest) -> ThreadedEngineClient:
+    """The background engine, stepping one step at a time or with one in flight."""
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_checkpoint("llama")),
-                                                   block_size=4))
+                                                   block_size=4, async_scheduling=request.param))
     client = ThreadedEngineClient(engine)
     yield client
     client.shutdown()
