@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
 
 import torch
 
+from kvserve.bench.device_rates import graph_call_us
 from kvserve.kernels.argmax import CHUNK, argmax_rows
 
 VOCAB_SIZE = 128256
@@ -31,27 +31,12 @@ CALLS_PER_GRAPH = 64
 REPLAYS = 10
 
 
-def graph_us(fn: Callable[[], object]) -> float:
-    """µs per call of ``fn`` inside a CUDA graph of back-to-back calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile outside the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (REPLAYS * CALLS_PER_GRAPH)
+def call_torch(x: torch.Tensor, _: int) -> torch.Tensor:
+    return torch.argmax(x, dim=-1)
+
+
+def call_kernel(x: torch.Tensor, chunk: int, _: int) -> torch.Tensor:
+    return argmax_rows(x, chunk)
 
 
 def matches(x: torch.Tensor, chunk: int) -> bool:
@@ -74,12 +59,13 @@ def main() -> int:
     all_match = True
     for num_rows in ROWS:
         x = torch.randn(num_rows, VOCAB_SIZE, device="cuda")
-        torch_us = graph_us(functools.partial(torch.argmax, x, dim=-1))
+        torch_us = graph_call_us(functools.partial(call_torch, x), CALLS_PER_GRAPH, REPLAYS)
         kernel_us: dict[int, float] = {}
         for chunk in CHUNKS:
             ok = matches(x, chunk)
             all_match &= ok
-            kernel_us[chunk] = graph_us(functools.partial(argmax_rows, x, chunk))
+            kernel_us[chunk] = graph_call_us(functools.partial(call_kernel, x, chunk),
+                                             CALLS_PER_GRAPH, REPLAYS)
             print(f"  R={num_rows:<3d} chunk {chunk:<5d} {kernel_us[chunk]:7.2f} µs "
                   f"(torch {torch_us:7.2f} µs){'' if ok else '  MISMATCH'}", flush=True)
         results.append((num_rows, torch_us, kernel_us))

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.bench.device_rates import copy_rate_gb_s
+from kvserve.bench.device_rates import copy_rate_gb_s, graph_call_us
 from kvserve.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_matmul
 
 SHAPES = {  # name: (N, K) of the weight [N, K]
@@ -59,25 +59,7 @@ DOT_SWEEP = [(16, 256, 1, 4), (16, 256, 2, 4), (16, 512, 1, 3), (16, 128, 1, 6),
 
 def graph_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
     """µs per call of ``fn(weight)``, rotating over ``weights``, in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile, pick cuBLAS kernels outside the capture
-        for weight in weights:
-            fn(weight)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS_PER_GRAPH):
-            fn(weights[i % len(weights)])
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (REPLAYS * CALLS_PER_GRAPH)
+    return graph_call_us(lambda i: fn(weights[i % len(weights)]), CALLS_PER_GRAPH, REPLAYS)
 
 
 def sweep_configs(rows: int) -> list[SkinnyConfig]:

@@ -267,8 +267,9 @@ def merge_lora(base: Path, adapter: Path, path: Path) -> Path:
 
 @pytest.fixture
 def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Floating tensors from ``torch.empty`` (kernel launchers' outputs) start as
-    NaN, so an output element a kernel never writes shows."""
+    """Tensors from ``torch.empty`` (kernel launchers' outputs and scratch)
+    start as NaN (floating) or their dtype's maximum (integer), so an element a
+    kernel never writes shows."""
     real_empty = torch.empty
 
     def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -276,7 +277,11 @@ def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         # torch.empty, as the constructor it redirects: name its device here
         kwargs.setdefault("device", torch.get_default_device())
         tensor = real_empty(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+        if tensor.is_floating_point():
+            return tensor.fill_(float("nan"))
+        if tensor.dtype != torch.bool and not tensor.is_complex():
+            return tensor.fill_(torch.iinfo(tensor.dtype).max)
+        return tensor
 
     monkeypatch.setattr(torch, "empty", empty)
     yield

@@ -3,13 +3,16 @@ run: the device-to-device copy rate (bytes read + written per second, the
 practical ceiling for MBU) and the matmul rate of a square product in the
 dtype the model runs in (bf16 for the GPU figures; the practical ceiling
 for MFU). They run on CUDA or on the CPU; the CPU uses smaller sizes so the
-measurement takes a second, not minutes.
+measurement takes a second, not minutes. ``graph_call_us`` times one kernel
+call inside a CUDA graph, as a decode step replays it (the kernel benchmarks
+under ``benchmarks/`` use it).
 """
 
 from __future__ import annotations
 
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +28,33 @@ def _sync(device: torch.device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def graph_call_us(call: Callable[[int], object], calls: int = 64, replays: int = 10) -> float:
+    """µs per call of ``call(i)``, ``i`` in ``range(calls)``, captured back to
+    back in one CUDA graph and replayed ``replays`` times (``i`` lets a call
+    rotate over inputs, e.g. weights larger than L2 in all)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and pick kernels outside the capture
+        for i in range(min(calls, 3)):
+            call(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) * 1e3 / (replays * calls)
 
 
 def copy_rate_gb_s(num_bytes: int | None = None, iters: int = 10,

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -39,18 +37,8 @@ NAN, INF = float("nan"), float("inf")
 
 
 @pytest.fixture(autouse=True)
-def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """``torch.empty`` fills integer tensors with their maximum, floats with NaN."""
-    real_empty = torch.empty
-
-    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        tensor = real_empty(*args, **kwargs)
-        if tensor.is_floating_point():
-            return tensor.fill_(NAN)
-        return tensor.fill_(torch.iinfo(tensor.dtype).max)
-
-    monkeypatch.setattr(torch, "empty", empty)
-    yield
+def _poison_outputs(poisoned_empty: None) -> None:
+    """Every test here sees poisoned ``torch.empty`` outputs and scratch."""
 
 
 def assert_argmax(x: torch.Tensor, chunk: int = CHUNK) -> None:
