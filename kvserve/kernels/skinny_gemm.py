@@ -7,10 +7,10 @@ Grid ``(cdiv(N, BLOCK_N),)``: a program owns ``BLOCK_N`` output columns
 ``BLOCK_K`` chunks, so each weight byte is read once, by one program, and
 each output written once, in ONE launch: no split-K partials, no zero-init
 or reduce kernel, nothing read back to the host, the output a fresh
-``torch.empty`` (CUDA-graph capturable). Instead of splitting K, the default
-makes ``BLOCK_N`` small enough for ``PROGRAMS_PER_SM`` programs per SM
-(N = 4096 / 8 = 512 programs on 132 SMs), all resident at once, so every SM
-keeps several weight tiles in flight. The K loop is a ``tl.range(...,
+``torch.empty`` (CUDA-graph capturable). Instead of splitting K, ``BLOCK_N``
+is small enough for several programs per SM (one row: 8, so N = 4096 gives
+512 programs on 132 SMs), all resident at once, so every SM keeps several
+weight tiles in flight. The K loop is a ``tl.range(...,
 num_stages)``: Triton software-pipelines its loads (cp.async into shared
 memory) for both inner products below. Columns past ``N`` re-read the last
 row of ``W`` and rows past ``M`` are masked, both dropped at the store; only

@@ -10,7 +10,7 @@ The order of operations is:
 
 Logprobs are of the raw model distribution (log_softmax of the logits as
 given, before any of the above), as vLLM returns them by default.
-Both argmaxes (greedy rows, the race) take ``kernels/argmax.py`` on CUDA logits.
+Both argmaxes (greedy rows, the race) take ``kernels/argmax.py`` with ``use_triton``.
 
 This module must not synchronise with the host: no ``.item()``, no
 ``.tolist()``, no branches on tensor values, no blocking host-to-device
@@ -20,7 +20,6 @@ copies (``to_device`` queues them). Every branch is on a flag that
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,8 +31,6 @@ from kvserve.host_copy import to_device
 # top_p rows keep tokens until the kept mass reaches top_p - this slack, so
 # float32 rounding of softmax/cumsum does not add one more token on exact cuts
 _TOP_P_SLACK = 1e-6
-# looked up, not imported: CPU runs never load Triton
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -239,12 +236,11 @@ def _forbidden_tokens(
     )
 
 
-def row_argmax(x: torch.Tensor, use_triton: bool = True) -> torch.Tensor:
+def row_argmax(x: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of ``[R, V]`` ``x`` (the first maximum, ties and NaN
-    as torch's): the Triton kernel when ``use_triton``, ``x`` is on CUDA and
-    Triton is installed (imported only then), else torch's one-block-per-row
-    reduction."""
-    if use_triton and x.is_cuda and _HAS_TRITON:
+    as torch's): with ``use_triton`` (CUDA tensors only) the Triton kernel,
+    imported only then, else torch's one-block-per-row reduction."""
+    if use_triton:
         from kvserve.kernels.argmax import argmax_rows as triton_argmax_rows
 
         return triton_argmax_rows(x)
@@ -254,10 +250,12 @@ def row_argmax(x: torch.Tensor, use_triton: bool = True) -> torch.Tensor:
 class Sampler:
     """Samples one token per row from ``[R, vocab]`` logits; stateless.
 
-    ``use_triton=False`` keeps torch's argmax on CUDA too (the reference).
+    ``use_triton`` (set by the model runner on CUDA with the Triton backend,
+    like the layers' switch) takes the Triton argmax; off, torch's (the
+    reference).
     """
 
-    def __init__(self, use_triton: bool = True) -> None:
+    def __init__(self, use_triton: bool = False) -> None:
         self.use_triton = use_triton
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -355,7 +353,7 @@ def apply_top_k_top_p(
 
 
 def exponential_race(
-    probs: torch.Tensor, generators: dict[int, torch.Generator], use_triton: bool = True
+    probs: torch.Tensor, generators: dict[int, torch.Generator], use_triton: bool = False
 ) -> torch.Tensor:
     """Sample each row of ``probs`` as argmax(probs / E), E ~ Exponential(1).
 
