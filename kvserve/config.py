@@ -246,3 +246,6 @@ class EngineConfig:
     # one); empty when the engine runs eagerly (CPU, reference backend,
     # enforce_eager)
     cuda_graph_sizes: tuple[int, ...] = ()
+    # CUDA graphs for prefill and mixed steps of these token counts (padded up
+    # to the next one; the scheduler aims its steps at them)
+    cuda_graph_token_sizes: tuple[int, ...] = ()

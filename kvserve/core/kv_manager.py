@@ -85,7 +85,7 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
         if not self.enable_caching:
             return
-        num_full = min(num_tokens_after_step, request.num_tokens) // self.block_size
+        num_full = min(num_tokens_after_step, len(request.all_token_ids)) // self.block_size
         num_done = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full <= num_done:
             return

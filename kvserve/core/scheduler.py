@@ -19,6 +19,11 @@ that token) but not yet appended; ``update_from_output`` swaps the
 placeholder for the token. A request whose in-flight token is its last
 (``max_tokens``) is not scheduled again; one that turns out to have stopped
 (EOS, stop string) wastes the one step already queued for it.
+
+With ``step_token_sizes`` (the token counts the runner has CUDA graphs for)
+the last prompt chunk admitted to a step is trimmed so that the step ends on
+one of them: a padded step would spend a token's matmuls on each padding
+token, a trimmed one only moves those prompt tokens to the next step.
 Pure Python: no torch here.
 """
 
@@ -47,9 +52,10 @@ class Scheduler:
 
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int,
-        lora_config: LoRAConfig | None = None,
+        lora_config: LoRAConfig | None = None, step_token_sizes: tuple[int, ...] = (),
     ) -> None:
         self.config = scheduler_config
+        self.step_token_sizes = sorted(step_token_sizes)
         # the most distinct LoRA adapters the running requests may use (0: LoRA off)
         self.max_loras = lora_config.max_loras if lora_config is not None else 0
         self.block_size = cache_config.block_size
@@ -135,9 +141,11 @@ class Scheduler:
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        requests = self.requests
         for request_id in out.num_scheduled_tokens:
-            request = self.requests[request_id]
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            request = requests[request_id]
+            if (request.num_computed_tokens
+                    == len(request.all_token_ids) + request.num_output_placeholders):
                 request.num_output_placeholders += 1  # this step samples its next token
         return out
 
@@ -145,10 +153,12 @@ class Scheduler:
     def _num_tokens_to_compute(request: Request) -> int:
         """Tokens of a running request whose KV is not computed yet, the one in
         flight included; 0 when that one is its last (``max_tokens``)."""
+        num_tokens = len(request.all_token_ids)  # per request per step: no properties
         num_placeholders = request.num_output_placeholders
-        if num_placeholders and request.num_output_tokens + num_placeholders >= request.max_tokens:
+        if (num_placeholders and num_tokens - request.num_prompt_tokens + num_placeholders
+                >= request.max_tokens):
             return 0
-        return request.num_tokens + num_placeholders - request.num_computed_tokens
+        return num_tokens + num_placeholders - request.num_computed_tokens
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
@@ -194,6 +204,10 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            last = (index == len(self.waiting) - 1 or num_new == budget
+                    or len(self.running) + 1 == self.config.max_num_seqs)
+            if last and self.config.enable_chunked_prefill:
+                num_new = self._trim_to_step_size(num_new, budget)
             if self.kv_manager.allocate_slots(request, num_new, computed) is None:
                 break
             self.waiting.pop(index)
@@ -207,6 +221,15 @@ class Scheduler:
                 request.times.first_scheduled_s = time.monotonic()
             self._record(request, num_new, [], out)
             budget -= num_new
+
+    def _trim_to_step_size(self, num_new: int, budget: int) -> int:
+        """``num_new`` shortened so that the step's tokens end on the largest
+        step size not above them, when that leaves at least one token."""
+        scheduled = self.config.max_num_batched_tokens - budget
+        i = bisect.bisect_right(self.step_token_sizes, scheduled + num_new)
+        if i == 0 or self.step_token_sizes[i - 1] <= scheduled:
+            return num_new
+        return self.step_token_sizes[i - 1] - scheduled
 
     def _record(
         self, request: Request, num_new: int, new_block_ids: list[int], out: SchedulerOutput
@@ -264,27 +287,32 @@ class Scheduler:
         """Append sampled tokens, apply stop rules, free finished requests."""
         outputs = []
         now = time.monotonic()
+        requests = self.requests
+        max_model_len = self.config.max_model_len
+        logprobs = runner_output.logprobs
         for request_id, token_ids in runner_output.sampled_token_ids.items():
-            request = self.requests.get(request_id)
+            request = requests.get(request_id)
             if request is None or not token_ids:
                 continue  # finished or aborted while its step was in flight
-            request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
-            new_tokens = []
-            for token_id in token_ids:
-                request.append_output_token(token_id)
-                new_tokens.append(token_id)
-                if check_stop(request, self.config.max_model_len):
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
+            new_tokens = token_ids
+            for i, token_id in enumerate(token_ids):
+                request.all_token_ids.append(token_id)
+                if check_stop(request, max_model_len):
+                    new_tokens = token_ids[: i + 1]
                     break
-            if request.times.first_token_s is None:
-                request.times.first_token_s = now
-            request.times.last_token_s = now
+            times = request.times
+            if times.first_token_s is None:
+                times.first_token_s = now
+            times.last_token_s = now
             output = EngineCoreOutput(
                 request_id=request_id,
                 new_token_ids=new_tokens,
-                new_logprobs=runner_output.logprobs.get(request_id),
+                new_logprobs=logprobs.get(request_id) if logprobs else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
-            if request.is_finished:
+            if request.status.is_finished:
                 output.finish_reason = request.status.finish_reason
                 output.stop_reason = request.stop_reason
                 self._remove(request)  # a preempted request may finish from the waiting queue

@@ -34,6 +34,18 @@ def default_cuda_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def default_cuda_graph_token_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Step sizes in tokens for graphs of prefill and mixed steps: 16, 32, 64,
+    128, 256, every multiple of 128 up to 2,048, then of 256, up to
+    ``max_num_batched_tokens`` (always included). Finer steps pad less (a
+    padded token costs a token's matmuls); the scheduler trims a step's last
+    prefill chunk to end on one of them where it can."""
+    top = max_num_batched_tokens
+    sizes = {s for s in (16, 32, 64, 128, 256) if s <= top}
+    sizes |= set(range(384, min(top, 2048) + 1, 128)) | set(range(2304, top + 1, 256)) | {top}
+    return tuple(sorted(sizes))
+
+
 def resolve_attention_backend(name: str, device: str) -> str:
     """``"auto"`` is ``"triton"`` when the engine runs on CUDA and Triton is
     installed, else ``"torch"``; other names pass through (the registry checks
@@ -85,6 +97,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
+    cuda_graph_token_sizes: list[int] | None = None
     async_scheduling: bool | None = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -114,8 +127,10 @@ class EngineArgs:
         )
         attention_backend = resolve_attention_backend(self.attention_backend, self.device)
         cuda_graph_sizes: tuple[int, ...] = ()
+        cuda_graph_token_sizes: tuple[int, ...] = ()
         if not self.enforce_eager and attention_backend == "triton" and self.device != "cpu":
             cuda_graph_sizes = self._cuda_graph_sizes()
+            cuda_graph_token_sizes = self._cuda_graph_token_sizes(max_batched)
         # without tokenizer files the engine falls back to the byte tokenizer
         tokenizer = self.tokenizer or (str(path) if path is not None and has_tokenizer(path)
                                        else None)
@@ -146,6 +161,7 @@ class EngineArgs:
             seed=self.seed,
             attention_backend=attention_backend,
             cuda_graph_sizes=cuda_graph_sizes,
+            cuda_graph_token_sizes=cuda_graph_token_sizes,
         )
 
     def _cuda_graph_sizes(self) -> tuple[int, ...]:
@@ -158,6 +174,17 @@ class EngineArgs:
                 f"[1, max_num_seqs={self.max_num_seqs}]; got {bad}"
             )
         return tuple(sorted(set(self.cuda_graph_sizes)))
+
+    def _cuda_graph_token_sizes(self, max_batched: int) -> tuple[int, ...]:
+        if self.cuda_graph_token_sizes is None:
+            return default_cuda_graph_token_sizes(max_batched)
+        bad = [s for s in self.cuda_graph_token_sizes if not 2 <= s <= max_batched]
+        if bad:
+            raise ValueError(
+                f"cuda_graph_token_sizes={self.cuda_graph_token_sizes} is invalid: every size "
+                f"must be in [2, max_num_batched_tokens={max_batched}]; got {bad}"
+            )
+        return tuple(sorted(set(self.cuda_graph_token_sizes)))
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -197,6 +224,11 @@ class EngineArgs:
         group.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
                            help="decode batch sizes to capture as CUDA graphs "
                                 "(default: 1 2 4 8 16 24 ... up to max_num_seqs, at most 512)")
+        group.add_argument("--cuda-graph-token-sizes", type=int, nargs="*", default=None,
+                           help="step sizes in tokens to capture prefill and mixed steps at "
+                                "(default: 16 32 64 128 256, then every 128 up to 2048 and "
+                                "every 256 up to max_num_batched_tokens; none: such steps "
+                                "run eagerly)")
         group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                            default=None,
                            help="schedule the next step while the current one runs "

@@ -57,7 +57,7 @@ class EngineCore:
         self.executor = executor
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, executor.num_kv_blocks + 1,
-            config.lora_config,
+            config.lora_config, config.cuda_graph_token_sizes,
         )
         self.async_scheduling = config.scheduler_config.async_scheduling
         # the step queued but not yet reported (async scheduling only)

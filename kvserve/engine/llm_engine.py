@@ -215,10 +215,12 @@ class LLMEngine:
         core_outputs = self.core.step()
         changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
         stopped: list[str] = []
+        now = time.monotonic()
         for core_output in core_outputs:
             user_id, index = self._core_to_user[core_output.request_id]
             tracked = self._tracked[user_id]
             sample = tracked.samples[index]
+            self._update_metrics(tracked, core_output, now)
             delta = self._process(tracked, sample, core_output, stopped)
             changed.setdefault(user_id, {})[index] = delta
         if stopped:
@@ -241,8 +243,6 @@ class LLMEngine:
         core_output: EngineCoreOutput,
         stopped: list[str],
     ) -> tuple[str, list[int]]:
-        request = self.core.get_request(core_output.request_id)
-        self._update_metrics(tracked, core_output, request)
         new_ids = core_output.new_token_ids
         sample.token_ids.extend(new_ids)
         if core_output.new_logprobs is not None:
@@ -270,13 +270,13 @@ class LLMEngine:
         return delta_text, new_ids
 
     def _update_metrics(
-        self, tracked: _Tracked, core_output: EngineCoreOutput, request: Request | None
+        self, tracked: _Tracked, core_output: EngineCoreOutput, now: float
     ) -> None:
-        now = time.monotonic()
         metrics = tracked.metrics
         if metrics.first_token_s is None:
             metrics.first_token_s = now
             metrics.num_cached_tokens = core_output.num_cached_tokens
+            request = self.core.get_request(core_output.request_id)
             if request is not None:
                 metrics.first_scheduled_s = request.times.first_scheduled_s
         metrics.last_token_s = now

@@ -1,16 +1,28 @@
-"""CUDA graphs of the decode step, one per batch-size bucket.
+"""CUDA graphs of whole steps: decode steps by batch size, prefill and mixed
+steps by token count.
 
-A decode step launches a few hundred small kernels; replaying them as one
-graph removes the host's launch cost, which dominates at small batch. Each
-graph runs the model and the logits matmul for ``size`` requests of one new
-token each, reading the persistent ``StepBuffers`` at fixed addresses. A step
-of ``n`` requests replays the smallest captured size ``>= n``, the extra rows
-being padding that writes no KV and attends to nothing (see
-``StepBuffers.fill``). All graphs share one memory pool, captured from the
-largest down, so they together take about as much memory as the largest.
+A step launches a few hundred small kernels; replaying them as one graph
+removes the host's launch cost (a Triton launch costs the host 15-50 µs), which
+dominates decode at small batch and is most of the host's time in a large
+mixed step. All graphs read the persistent ``StepBuffers`` at fixed addresses
+and share one memory pool, captured from the largest down, so together they
+take about as much memory as the largest.
 
-Attention runs with ``max_seq_len = max_model_len``: the split-K decode grid
-and partition size are frozen at capture and must cover every later context.
+- Decode graphs run the model and the logits matmul for ``size`` requests of
+  one new token each. A step of ``n`` requests replays the smallest captured
+  size ``>= n``; the extra rows are padding that writes no KV and attends to
+  nothing (see ``StepBuffers.fill``). Attention runs with ``max_seq_len =
+  max_model_len``: the split-K decode grid is frozen at capture and must
+  cover every later context.
+- Token graphs run the model for steps of any mix of prefills, chunks and
+  decodes, over ``num_tokens`` tokens and ``max_num_seqs`` request slots; a
+  step of ``t`` tokens replays the smallest size ``>= t``, its padding tokens
+  belonging to no request, its padding requests having no tokens. Their
+  attention is the prefill kernel, whose grid depends on those two numbers
+  only. They return hidden states; the runner computes logits for the
+  sampled rows alone, as in an eager step.
+
+Only the base model is captured: a step with a LoRA adapter runs eagerly.
 """
 
 from __future__ import annotations
@@ -28,51 +40,78 @@ from kvserve.worker.input_batch import StepBuffers
 logger = logging.getLogger(__name__)
 
 
-class DecodeGraphs:
-    """Captured decode graphs by batch size, and their static logits outputs."""
+def _smallest_at_least(sizes: list[int], n: int) -> int | None:
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+class CudaGraphs:
+    """Captured decode and token graphs, and their static outputs."""
 
     def __init__(
-        self, model: CausalLM, buffers: StepBuffers, sizes: tuple[int, ...], max_model_len: int
+        self, model: CausalLM, buffers: StepBuffers, decode_sizes: tuple[int, ...],
+        token_sizes: tuple[int, ...], max_model_len: int,
     ) -> None:
         self.model = model
         self.buffers = buffers
-        self.sizes = sorted(sizes)
+        self.decode_sizes = sorted(decode_sizes)
+        self.token_sizes = sorted(token_sizes)
         self.max_model_len = max_model_len
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # size -> [size, vocab_size] float32
+        self.token_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # size -> [size, hidden_size]
         self.pool_bytes = 0
 
     @property
-    def max_size(self) -> int:
-        return self.sizes[-1] if self.sizes else 0
+    def max_decode_size(self) -> int:
+        return self.decode_sizes[-1] if self.decode_sizes else 0
 
-    def padded_size(self, num_reqs: int) -> int | None:
+    def decode_size(self, num_reqs: int) -> int | None:
         """The captured size a decode step of ``num_reqs`` requests replays, if any."""
-        i = bisect.bisect_left(self.sizes, num_reqs)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return _smallest_at_least(self.decode_sizes, num_reqs)
 
-    def metadata(self, size: int) -> AttentionMetadata:
+    def token_size(self, num_tokens: int) -> int | None:
+        """The captured size a step of ``num_tokens`` tokens replays, if any."""
+        return _smallest_at_least(self.token_sizes, num_tokens)
+
+    def decode_metadata(self, size: int) -> AttentionMetadata:
         """Decode metadata over the first ``size`` rows of the buffers."""
+        return self._metadata(size, size, max_query_len=1, max_seq_len=self.max_model_len)
+
+    def token_metadata(self, size: int) -> AttentionMetadata:
+        """Metadata of a ``size``-token step over every request slot of the buffers."""
+        b = self.buffers
+        return self._metadata(b.max_num_reqs, size, max_query_len=size,
+                              max_seq_len=self.max_model_len)
+
+    def _metadata(
+        self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int
+    ) -> AttentionMetadata:
         b = self.buffers
         return AttentionMetadata(
-            num_reqs=size,
-            num_tokens=size,
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            query_start_loc=b.query_start_loc[: size + 1],
-            seq_lens=b.seq_lens[:size],
-            block_table=b.block_table[:size],
-            slot_mapping=b.slot_mapping[:size],
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc=b.query_start_loc[: num_reqs + 1],
+            seq_lens=b.seq_lens[:num_reqs],
+            block_table=b.block_table[:num_reqs],
+            slot_mapping=b.slot_mapping[:num_tokens],
             # host copies would be stale on replay: only backends that never
             # read them (supports_cuda_graphs) are captured
             query_start_loc_cpu=[],
             seq_lens_cpu=[],
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _decode_forward(self, size: int) -> torch.Tensor:
         b = self.buffers
-        hidden = self.model(b.input_ids[:size], b.positions[:size], self.metadata(size))
+        hidden = self.model(b.input_ids[:size], b.positions[:size], self.decode_metadata(size))
         return self.model.compute_logits(hidden)
+
+    def _token_forward(self, size: int) -> torch.Tensor:
+        b = self.buffers
+        return self.model(b.input_ids[:size], b.positions[:size], self.token_metadata(size))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -81,7 +120,7 @@ class DecodeGraphs:
         The buffers hold padding while capturing (zero-length queries, slot
         -1), so the warm-up and captured runs write no KV.
         """
-        if not self.sizes:
+        if not self.decode_sizes and not self.token_sizes:
             return
         b = self.buffers
         b.query_start_loc.zero_()
@@ -92,22 +131,35 @@ class DecodeGraphs:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._forward(size)  # compiles and autotunes kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
-            self.graphs[size] = graph
+        for sizes, forward, graphs, outputs in (
+            (self.token_sizes, self._token_forward, self.token_graphs, self.hidden),
+            (self.decode_sizes, self._decode_forward, self.decode_graphs, self.logits),
+        ):
+            for size in reversed(sizes):
+                forward(size)  # compiles and autotunes kernels outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs[size] = forward(size)
+                graphs[size] = graph
         torch.cuda.synchronize()
         self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(
-            "CUDA graphs: %d decode sizes (%d..%d) captured in %.1f s, %.2f GB",
-            len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start,
-            self.pool_bytes / 1e9,
+            "CUDA graphs: %d decode sizes (%s), %d token sizes (%s) captured in %.1f s, %.2f GB",
+            len(self.decode_sizes), _span(self.decode_sizes), len(self.token_sizes),
+            _span(self.token_sizes), time.perf_counter() - start, self.pool_bytes / 1e9,
         )
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Run the graph of ``size`` on the buffers' current contents; its logits."""
-        self.graphs[size].replay()
+    def replay_decode(self, size: int) -> torch.Tensor:
+        """Run the decode graph of ``size`` on the buffers' contents; its logits."""
+        self.decode_graphs[size].replay()
         return self.logits[size]
+
+    def replay_tokens(self, size: int) -> torch.Tensor:
+        """Run the token graph of ``size`` on the buffers' contents; its hidden states."""
+        self.token_graphs[size].replay()
+        return self.hidden[size]
+
+
+def _span(sizes: list[int]) -> str:
+    return f"{sizes[0]}..{sizes[-1]}" if sizes else "none"

@@ -118,6 +118,7 @@ class StepBuffers:
         tables: BlockTables,
         block_size: int,
         padded_num_reqs: int,
+        padded_num_tokens: int,
         carried_reqs: np.ndarray | None = None,  # [num_carried] int64
         carried_src: np.ndarray | None = None,  # [num_carried] int64
     ) -> HostStep:
@@ -127,16 +128,16 @@ class StepBuffers:
         of request ``carried_reqs[j]`` is not known on the host (its chunk holds
         a placeholder): it is row ``carried_src[j]`` of the previous step's
         sampled tokens, and ``carry`` gets the pair for the runner. Requests
-        ``num_reqs .. padded_num_reqs - 1`` are padding for a CUDA graph: no
-        tokens (their token rows get id 0, position 0 and slot -1, which the KV
-        write skips) and a zero-length query, which the attention kernels skip.
+        ``num_reqs .. padded_num_reqs - 1`` are padding for a CUDA graph, with a
+        zero-length query, which the attention kernels skip; so are tokens
+        ``num_tokens .. padded_num_tokens - 1``, which belong to no request
+        (id 0, position 0 and slot -1, which the KV write skips).
         """
         if self._copied is not None:
             self._copied.synchronize()
         num_reqs = len(token_chunks)
         cu = np.cumsum(num_scheduled)
         num_tokens = int(cu[-1])
-        padded_num_tokens = num_tokens + (padded_num_reqs - num_reqs)
         if padded_num_tokens > self.max_num_tokens or padded_num_reqs > self.max_num_reqs:
             raise RuntimeError(
                 f"StepBuffers: a step of {padded_num_tokens} tokens / {padded_num_reqs} requests "

@@ -48,7 +48,7 @@ from kvserve.lora.request import LoRARequest
 from kvserve.models.loader import load_model
 from kvserve.models.registry import CausalLM
 from kvserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
-from kvserve.worker.cuda_graph import DecodeGraphs
+from kvserve.worker.cuda_graph import CudaGraphs
 from kvserve.worker.input_batch import BlockTables, StepBuffers
 from kvserve.worker.kv_cache import (
     allocate_kv_caches,
@@ -107,8 +107,10 @@ class StepInputs:
     # requests that sample this step, and the row of their last token
     sample_request_ids: list[str]
     logits_indices: torch.Tensor  # [num_sample_requests]
-    # the CUDA graph size this step replays (None: eager)
-    graph_size: int | None
+    # the decode graph (batch size) or token graph (token count) this step
+    # replays; both None: eager
+    decode_graph_size: int | None
+    token_graph_size: int | None
 
 
 class PendingStep:
@@ -162,6 +164,7 @@ class ModelRunner:
         attention_backend: str = "torch",
         cuda_graph_sizes: tuple[int, ...] = (),
         lora_config: LoRAConfig | None = None,
+        cuda_graph_token_sizes: tuple[int, ...] = (),
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -186,13 +189,15 @@ class ModelRunner:
         use_graphs = (device.type == "cuda" and bool(cuda_graph_sizes)
                       and self.backend.supports_cuda_graphs)
         self.cuda_graph_sizes = cuda_graph_sizes if use_graphs else ()
+        self.cuda_graph_token_sizes = cuda_graph_token_sizes if use_graphs else ()
         max_num_reqs = scheduler_config.max_num_seqs
         max_blocks_per_req = -(-scheduler_config.max_model_len // self.block_size)
         self.block_tables = BlockTables(max_num_reqs, max_blocks_per_req)
         max_num_tokens = max(scheduler_config.max_num_batched_tokens,
-                             max(self.cuda_graph_sizes, default=0))
+                             max(self.cuda_graph_sizes, default=0),
+                             max(self.cuda_graph_token_sizes, default=0))
         self.buffers = StepBuffers(max_num_tokens, max_num_reqs, max_blocks_per_req, device)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: CudaGraphs | None = None
         # queued steps whose tokens are not appended to the states yet, oldest first
         self._unread: deque[PendingStep] = deque()
         # the last step that sampled: its sampled tokens (on the device) and
@@ -225,7 +230,7 @@ class ModelRunner:
         start = time.perf_counter()
         runner = cls(config.model_config, config.cache_config, config.scheduler_config, model,
                      device, dtype, config.attention_backend, config.cuda_graph_sizes,
-                     config.lora_config)
+                     config.lora_config, config.cuda_graph_token_sizes)
         runner.initialize_kv_cache()
         runner.capture_cuda_graphs()
         logger.info("startup after loading weights (profile, KV cache, graphs): %.1f s",
@@ -250,10 +255,10 @@ class ModelRunner:
         self.lora_manager.add_lora(lora_request)
 
     def capture_cuda_graphs(self) -> None:
-        if not self.cuda_graph_sizes:
+        if not self.cuda_graph_sizes and not self.cuda_graph_token_sizes:
             return
-        self.graphs = DecodeGraphs(self.model, self.buffers, self.cuda_graph_sizes,
-                                   self.scheduler_config.max_model_len)
+        self.graphs = CudaGraphs(self.model, self.buffers, self.cuda_graph_sizes,
+                                 self.cuda_graph_token_sizes, self.scheduler_config.max_model_len)
         self.graphs.capture()
 
     # ------------------------------------------------------------ profiling
@@ -264,10 +269,12 @@ class ModelRunner:
 
         Runs one dummy step of ``max_num_batched_tokens`` tokens (spread over
         requests of at most ``max_model_len``), logits and sampling with
-        top-k/top-p for ``max_num_seqs`` rows, then a largest decode batch;
-        with CUDA graphs the decode peak is counted again, since the graphs'
-        pool is kept apart from the allocator. Runs against a one-block
-        scratch cache: every query reads the null block and writes nothing.
+        top-k/top-p for ``max_num_seqs`` rows, then a largest decode batch.
+        The CUDA graphs' pool is kept apart from the allocator, so it is
+        counted again: the decode peak, or with token graphs (which capture
+        a largest step too) the larger of the two peaks. Runs against a
+        one-block scratch cache: every query reads the null block and writes
+        nothing.
         """
         sched = self.scheduler_config
         query_lens = largest_step_query_lens(sched)
@@ -291,12 +298,14 @@ class ModelRunner:
             decode_peak = torch.cuda.max_memory_allocated(self.device) - base
         del scratch  # the layers keep it (two blocks each) until the real caches are bound
         torch.cuda.empty_cache()
+        graph_reserve = (max(prefill_peak, decode_peak) if self.cuda_graph_token_sizes
+                         else decode_peak)
         logger.info(
             "profiled peak step: %.2f GB (%d tokens over %d requests, %d sampled rows)%s",
             prefill_peak / 1e9, num_tokens, num_reqs, sched.max_num_seqs,
-            f"; CUDA graph reserve {decode_peak / 1e9:.2f} GB" if decode_size else "",
+            f"; CUDA graph reserve {graph_reserve / 1e9:.2f} GB" if graph_reserve else "",
         )
-        return int(prefill_peak + decode_peak)
+        return int(prefill_peak + graph_reserve)
 
     def _dummy_step(self, query_lens: list[int], sample_rows: int) -> None:
         """One forward over prompts of ``query_lens`` tokens, then logits and
@@ -402,14 +411,22 @@ class ModelRunner:
             states, ends.tolist(), strict=True)]
         for i in carried:
             token_chunks[i] = [*token_chunks[i], 0]
-        graph_size = None
+        decode_size = token_size = None
+        padded_num_reqs, padded_num_tokens = num_reqs, int(num_scheduled.sum())
         # graphs hold the base model only: a step with an adapter runs eagerly
-        if (self.graphs is not None and int(num_scheduled.max()) == 1
-                and not any(s.lora_int_id for s in states)):
-            graph_size = self.graphs.padded_size(num_reqs)
+        if self.graphs is not None and not any(s.lora_int_id for s in states):
+            if int(num_scheduled.max()) == 1:
+                decode_size = self.graphs.decode_size(num_reqs)
+            if decode_size is not None:
+                padded_num_reqs = padded_num_tokens = decode_size
+            else:
+                token_size = self.graphs.token_size(padded_num_tokens)
+                if token_size is not None:
+                    padded_num_reqs, padded_num_tokens = self.buffers.max_num_reqs, token_size
         host = self.buffers.fill(
             token_chunks, num_computed, num_scheduled, np.maximum(num_known, ends), rows,
-            self.block_tables, self.block_size, graph_size or num_reqs, carried, carried_src,
+            self.block_tables, self.block_size, padded_num_reqs, padded_num_tokens, carried,
+            carried_src,
         )
         b = self.buffers
         if host.num_carried:
@@ -435,7 +452,8 @@ class ModelRunner:
             metadata=metadata,
             sample_request_ids=[request_ids[i] for i in host.sample_rows],
             logits_indices=b.logits_indices[: len(host.sample_rows)],
-            graph_size=graph_size,
+            decode_graph_size=decode_size,
+            token_graph_size=token_size,
         )
 
     # ------------------------------------------------------------ step
@@ -466,8 +484,11 @@ class ModelRunner:
                 [scheduler_output.num_scheduled_tokens[r] for r in inputs.request_ids],
             )
         start = self._mark()
-        if inputs.graph_size is not None and self.graphs is not None:
-            logits = self.graphs.replay(inputs.graph_size)[inputs.logits_indices]
+        if inputs.decode_graph_size is not None and self.graphs is not None:
+            logits = self.graphs.replay_decode(inputs.decode_graph_size)[inputs.logits_indices]
+        elif inputs.token_graph_size is not None and self.graphs is not None:
+            hidden = self.graphs.replay_tokens(inputs.token_graph_size)
+            logits = None
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
             logits = None

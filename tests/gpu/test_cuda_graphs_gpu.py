@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.worker.cuda_graph import DecodeGraphs
+from kvserve.worker.cuda_graph import CudaGraphs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,14 +34,24 @@ def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[
 
 @pytest.fixture
 def count_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Sizes of the decode graphs replayed (token graphs: ``count_token_replays``)."""
+    return _count(monkeypatch, "replay_decode")
+
+
+@pytest.fixture
+def count_token_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    return _count(monkeypatch, "replay_tokens")
+
+
+def _count(monkeypatch: pytest.MonkeyPatch, method: str) -> list[int]:
     sizes: list[int] = []
-    original = DecodeGraphs.replay
+    original = getattr(CudaGraphs, method)
 
-    def counting(self: DecodeGraphs, size: int) -> torch.Tensor:
+    def counting(self: CudaGraphs, size: int) -> torch.Tensor:
         sizes.append(size)
-        return original(self, size)
+        return original(self, size)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(DecodeGraphs, "replay", counting)
+    monkeypatch.setattr(CudaGraphs, method, counting)
     return sizes
 
 
@@ -49,7 +59,7 @@ def count_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.mark.parametrize("num_prompts", [1, 3, 17])
 def test_graphs_on_and_off_give_identical_tokens(
     dtype: str, num_prompts: int, tiny_checkpoint: Callable[[str], Path],
-    count_replays: list[int],
+    count_replays: list[int], count_token_replays: list[int],
 ) -> None:
     path = str(tiny_checkpoint("llama"))
     prompts = _prompts(num_prompts)
@@ -62,7 +72,24 @@ def test_graphs_on_and_off_give_identical_tokens(
     assert graphs.engine.core.executor.graphs is not None  # type: ignore[attr-defined]
     assert _tokens(graphs, prompts, greedy) == _tokens(eager, prompts, greedy)
     assert count_replays and max(count_replays) >= num_prompts
+    assert count_token_replays  # the prefill steps replayed token graphs
     assert _tokens(graphs, prompts, seeded) == _tokens(eager, prompts, seeded)
+
+
+def test_mixed_chunked_steps_replay_token_graphs_with_eager_tokens(
+    tiny_checkpoint: Callable[[str], Path], count_token_replays: list[int],
+) -> None:
+    """Prefill chunks beside decodes under a small token budget: token graphs
+    (padded and trimmed steps) give the tokens of eager steps."""
+    path = str(tiny_checkpoint("llama"))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(20, 300))] for _ in range(12)]
+    kwargs = dict(model=path, dtype="bfloat16", device="cuda", max_num_seqs=8,
+                  max_num_batched_tokens=160, gpu_memory_utilization=0.3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    eager = _tokens(LLM(**kwargs, enforce_eager=True), prompts, greedy)
+    assert _tokens(LLM(**kwargs), prompts, greedy) == eager
+    assert len(count_token_replays) >= 5
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])

@@ -78,7 +78,7 @@ def step(scheduler: Scheduler) -> SchedulerOutput:
 
 
 def make_core(async_scheduling: bool, num_blocks: int = 64, block_size: int = 4,
-              **kwargs: object) -> EngineCore:
+              step_token_sizes: tuple[int, ...] = (), **kwargs: object) -> EngineCore:
     """An ``EngineCore`` over the fake model (its scheduler has ``num_blocks``)."""
     sched_kwargs = {"max_num_seqs": 8, "max_num_batched_tokens": 32, "max_model_len": 128,
                     "async_scheduling": async_scheduling}
@@ -91,7 +91,7 @@ def make_core(async_scheduling: bool, num_blocks: int = 64, block_size: int = 4,
         model="fake", model_config=model_config, cache_config=CacheConfig(block_size=block_size),
         scheduler_config=SchedulerConfig(**sched_kwargs),  # type: ignore[arg-type]
         model_path=None, tokenizer_path=None, load_format="dummy", dtype="float32",
-        device="cpu", seed=0, attention_backend="torch",
+        device="cpu", seed=0, attention_backend="torch", cuda_graph_token_sizes=step_token_sizes,
     )
     executor = FakeExecutor(num_kv_blocks=num_blocks - 1)
     core = EngineCore(config, executor)
@@ -111,7 +111,8 @@ def run_core_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[st
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4,
-                   lora_config: LoRAConfig | None = None, **kwargs: object) -> Scheduler:
+                   lora_config: LoRAConfig | None = None,
+                   step_token_sizes: tuple[int, ...] = (), **kwargs: object) -> Scheduler:
     sched_kwargs = {"max_num_seqs": 8, "max_num_batched_tokens": 32, "max_model_len": 128}
     sched_kwargs.update(kwargs)  # type: ignore[arg-type]
     return Scheduler(
@@ -119,6 +120,7 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4,
         CacheConfig(block_size=block_size),
         num_blocks,
         lora_config,
+        step_token_sizes,
     )
 
 
@@ -188,6 +190,26 @@ def test_decodes_first_then_prefill_chunks_fill_the_budget() -> None:
     out = scheduler.schedule()
     # a's decode first (1 token), then a 9-token chunk of b's 20-token prompt
     assert out.num_scheduled_tokens == {"a": 1, "b": 9}
+
+
+def test_last_prompt_chunk_is_trimmed_to_end_on_a_step_size() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=64, step_token_sizes=(8, 16, 24, 64))
+    for i in range(3):
+        scheduler.add_request(make_request(f"d{i}", [3 + i, 4, 5], max_tokens=8))
+    assert sum(step(scheduler).num_scheduled_tokens.values()) == 8  # 9 tokens: 3 + 3 + 2
+    assert step(scheduler).num_scheduled_tokens == {"d0": 1, "d1": 1, "d2": 1}  # d2's last
+    scheduler.add_request(make_request("long", list(range(3, 33)), max_tokens=4))
+    scheduler.add_request(make_request("short", [7, 8], max_tokens=4))
+    out = step(scheduler)
+    # 3 decodes + 30 + 2 prompt tokens = 35: the last admitted ("short") cannot be
+    # cut to 24 (its chunk would be empty), so the step is padded by the runner
+    assert out.num_scheduled_tokens == {"d0": 1, "d1": 1, "d2": 1, "long": 30, "short": 2}
+    scheduler.add_request(make_request("next", list(range(40, 60)), max_tokens=4))
+    out = step(scheduler)
+    # 5 decodes + 20 = 25 tokens: "next" gets 19, ending the step on 24
+    assert out.num_scheduled_tokens["next"] == 19 and sum(out.num_scheduled_tokens.values()) == 24
+    outputs = run_to_completion(scheduler)
+    assert outputs["next"] == reference_output(list(range(40, 60)), 4)
 
 
 def test_chunked_prefill_off_waits_for_whole_prompt() -> None:
@@ -407,6 +429,7 @@ def test_randomised_add_abort_step_keeps_invariants(seed: int, async_scheduling:
         max_num_seqs=rng.choice([1, 3, 8]),
         max_model_len=64,
         policy=rng.choice(["fcfs", "priority"]),
+        step_token_sizes=rng.choice([(), (2, 4, 8, 16, 64), (3, 5)]),
     )
     prefixes = [[3 + rng.randrange(40) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
     expected: dict[str, list[int]] = {}

@@ -18,7 +18,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import SchedulerConfig
 from kvserve.engine.args import EngineArgs, default_cuda_graph_sizes
-from kvserve.worker.cuda_graph import DecodeGraphs
+from kvserve.worker.cuda_graph import CudaGraphs
 from kvserve.worker.input_batch import BlockTables, StepBuffers
 from kvserve.worker.model_runner import largest_step_query_lens
 
@@ -63,9 +63,11 @@ def test_fill_matches_per_token_construction(seed: int) -> None:
         totals.append(total)
         rows.append(row)
         blocks.append(ids)
-    padded = num_reqs + (rng.randint(0, 2) if decode else 0)
+    # decode graphs pad one token per padding request; token graphs pad both freely
+    padded = num_reqs + rng.randint(0, 2)
+    token_pad = padded - num_reqs if decode else rng.randint(0, 5)
     host = buffers.fill(chunks, np.array(computed), np.array(scheduled), np.array(totals),
-                        np.array(rows), tables, block_size, padded)
+                        np.array(rows), tables, block_size, padded, sum(scheduled) + token_pad)
 
     exp_ids, exp_pos, exp_slots, exp_logits, exp_sample = [], [], [], [], []
     for i in range(num_reqs):
@@ -79,9 +81,9 @@ def test_fill_matches_per_token_construction(seed: int) -> None:
     n_tok = len(exp_ids)
     pad = padded - num_reqs
     assert host.num_tokens == n_tok
-    assert buffers.input_ids[: n_tok + pad].tolist() == exp_ids + [0] * pad
-    assert buffers.positions[: n_tok + pad].tolist() == exp_pos + [0] * pad
-    assert buffers.slot_mapping[: n_tok + pad].tolist() == exp_slots + [-1] * pad
+    assert buffers.input_ids[: n_tok + token_pad].tolist() == exp_ids + [0] * token_pad
+    assert buffers.positions[: n_tok + token_pad].tolist() == exp_pos + [0] * token_pad
+    assert buffers.slot_mapping[: n_tok + token_pad].tolist() == exp_slots + [-1] * token_pad
     qsl = [0, *np.cumsum(scheduled).tolist()]
     assert buffers.query_start_loc[: padded + 1].tolist() == qsl + [n_tok] * pad
     ends = [c + s for c, s in zip(computed, scheduled)]
@@ -119,34 +121,41 @@ def test_cuda_graph_sizes_flag_is_validated(tiny_checkpoint: Callable[[str], Pat
     assert eager.create_engine_config().cuda_graph_sizes == ()
 
 
-class _UncapturedDecodeGraphs(DecodeGraphs):
-    """The graph path without the capture: each replay runs the same forward."""
+class _UncapturedGraphs(CudaGraphs):
+    """The graph paths without the capture: each replay runs the same forward."""
 
-    def replay(self, size: int) -> torch.Tensor:
-        self.replays.append(size)
-        return self._forward(size)
+    def replay_decode(self, size: int) -> torch.Tensor:
+        self.replays.append(("decode", size))
+        return self._decode_forward(size)
 
-    replays: list[int]
+    def replay_tokens(self, size: int) -> torch.Tensor:
+        self.replays.append(("tokens", size))
+        return self._token_forward(size)
+
+    replays: list[tuple[str, int]]
 
 
-def test_padded_decode_path_gives_eager_tokens(tiny_checkpoint: Callable[[str], Path]) -> None:
+def test_padded_graph_paths_give_eager_tokens(tiny_checkpoint: Callable[[str], Path]) -> None:
     pytest.importorskip("triton")
     path = str(tiny_checkpoint("llama"))
     prompts = [[5, 17, 99, 3], [300, 12, 8, 8, 8, 19, 77], [11, 12], list(range(20, 45)),
                [7] * 9]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    kwargs = dict(model=path, block_size=4, attention_backend="triton", device="cpu")
+    kwargs = dict(model=path, block_size=4, attention_backend="triton", device="cpu",
+                  max_num_seqs=8, max_num_batched_tokens=32)
     eager = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params,
                                                                     use_tqdm=False)]
     llm = LLM(**kwargs)
     runner = llm.engine.core.executor  # type: ignore[attr-defined]  # in-process runner
-    graphs = _UncapturedDecodeGraphs(runner.model, runner.buffers, (2, 8),
-                                     llm.engine.config.scheduler_config.max_model_len)
+    graphs = _UncapturedGraphs(runner.model, runner.buffers, (2, 8), (16, 32),
+                               llm.engine.config.scheduler_config.max_model_len)
     graphs.replays = []
     runner.graphs = graphs
     padded = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert padded == eager
-    assert 8 in graphs.replays  # five decoding requests padded to 8
+    assert ("decode", 8) in graphs.replays  # five decoding requests padded to 8
+    # 47 prompt tokens under a 32-token budget: 32, then 3 decodes + 15 prompt tokens -> 32
+    assert graphs.replays[:2] == [("tokens", 32), ("tokens", 32)]
 
 
 @pytest.mark.parametrize(
