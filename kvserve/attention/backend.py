@@ -2,18 +2,30 @@
 
 A backend writes the step's new K/V into the paged cache through the slot
 mapping, then computes causal attention of each request's new tokens over
-its whole cached context (prefix + themselves). Backends register by a short
+its whole cached context (prefix + themselves). A backend that
+``fuses_rope`` also takes q and k un-rotated, with a ``FusedRope``, and
+rotates them itself in the same launch as the KV write; the attention layer
+rotates them first for one that does not. Backends register by a short
 name and are imported lazily, so CPU runs never import Triton.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
+
+
+class FusedRope(NamedTuple):
+    """Rotary embedding for a backend to apply itself: neox-style rotation of q and
+    the new keys by ``positions``, as ``kvserve/kernels/rotary.py`` defines it."""
+
+    positions: torch.Tensor  # [num_tokens] int32 or int64
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim] float32: cos | sin
+    rotary_dim: int  # the first rotary_dim dims of each head rotate, the rest pass through
 
 
 class AttentionBackend(Protocol):
@@ -23,6 +35,8 @@ class AttentionBackend(Protocol):
     # whether a decode step through it can be captured in a CUDA graph: it reads
     # no host copies of the metadata and never synchronises with the device
     supports_cuda_graphs: bool
+    # whether forward accepts ``rope``; a backend without it raises when given one
+    fuses_rope: bool
 
     def forward(
         self,
@@ -33,6 +47,7 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        rope: FusedRope | None = None,  # q and k arrive un-rotated: rotate q in place, k as stored
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

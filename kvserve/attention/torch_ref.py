@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.attention.backend import FusedRope
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -70,6 +71,7 @@ class TorchRefAttentionBackend:
 
     name = "torch"
     supports_cuda_graphs = False  # loops over the host copies of the metadata
+    fuses_rope = False  # the layer rotates q and k first, with the rotary module's torch code
 
     def forward(
         self,
@@ -80,6 +82,12 @@ class TorchRefAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        rope: FusedRope | None = None,
     ) -> torch.Tensor:
+        if rope is not None:
+            raise ValueError(
+                "rope: the torch backend does not fuse rotary embedding (fuses_rope is False); "
+                "rotate q and k before forward"
+            )
         write_kv(k, v, kv_cache, metadata.slot_mapping)
         return paged_attention_ref(q, kv_cache, metadata, scale, sliding_window)

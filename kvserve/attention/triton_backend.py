@@ -1,7 +1,11 @@
 """The Triton attention backend, registered as ``"triton"``: the default on CUDA.
 
-Each layer call writes the step's new K/V into the paged cache with the
-``store_kv`` kernel, then runs one attention kernel for the whole batch:
+Each layer call writes the step's new K/V into the paged cache, then runs
+one attention kernel for the whole batch. The write is ``store_kv``, or,
+when the layer hands over its rotary embedding (``rope``), ``rope_store_kv``:
+one launch that rotates q in place and stores the rotated k with v, leaving
+the same bits as ``apply_rotary`` then ``store_kv`` with a launch fewer per
+layer. Then:
 
 - ``decode_attention`` (split-K, flash-decoding) when every request has one
   new token (``max_query_len == 1``), so long contexts at small batch still
@@ -18,8 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.attention.backend import FusedRope
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kernels.paged_attention import decode_attention, prefill_attention
+from kvserve.kernels.rope_store_kv import rope_store_kv
 from kvserve.kernels.store_kv import store_kv
 
 
@@ -28,6 +34,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     supports_cuda_graphs = True
+    fuses_rope = True
 
     def forward(
         self,
@@ -38,9 +45,14 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        rope: FusedRope | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        store_kv(_unit_last_stride(k), _unit_last_stride(v), kv_cache, metadata.slot_mapping)
-        q = _unit_last_stride(q)
+        q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+        if rope is None:
+            store_kv(k, v, kv_cache, metadata.slot_mapping)
+        else:
+            rope_store_kv(q, k, v, kv_cache, metadata.slot_mapping, rope.positions,
+                          rope.cos_sin_cache, rope.rotary_dim)
         if metadata.max_query_len == 1:
             return decode_attention(
                 q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,

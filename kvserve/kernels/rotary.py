@@ -17,6 +17,11 @@ loads its position's cos/sin once and rotates every q and k head of its
 token. A position outside ``[0, max_position)`` leaves its token unrotated
 instead of reading past the cache, so padded rows of a CUDA-graph batch may
 carry any position. Nothing is read back to the host.
+
+The Triton attention backend does not launch this kernel: it rotates in
+``rope_store_kv.py``, fused with its KV write, through the same
+``rotate_pair``. This one serves ``RotaryEmbedding`` with ``use_triton``
+under a backend that does not fuse.
 """
 
 from __future__ import annotations
@@ -29,7 +34,15 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _rotate_heads(
+def rotate_pair(x1, x2, cos, sin):
+    """The rotated halves ``(x1 cos - x2 sin, x2 cos + x1 sin)``, in float32: the one
+    expression of the rotation, shared with ``rope_store_kv.py`` so that both
+    kernels compile it alike and round alike."""
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def rotate_heads(
     x_ptr,  # first element of one token's [num_heads, head_dim] heads
     stride_head,
     cos,  # [1, HALF_PAD] float32
@@ -39,14 +52,16 @@ def _rotate_heads(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
 ):
+    """Rotate ``NUM_HEADS`` heads of one token in place, each output rounded once."""
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HALF_PAD)
     mask = (heads < NUM_HEADS)[:, None] & (dims < HALF)[None, :]
     first = x_ptr + heads[:, None] * stride_head + dims[None, :]  # [HEADS_PAD, HALF_PAD]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    rotated1, rotated2 = rotate_pair(x1, x2, cos, sin)
+    tl.store(first, rotated1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(first + HALF, rotated2.to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -76,13 +91,13 @@ def rotary_kernel(
     cache_row = cos_sin_ptr + pos * stride_cache_pos
     cos = tl.load(cache_row + dims, mask=dims < HALF, other=0.0)[None, :]
     sin = tl.load(cache_row + HALF + dims, mask=dims < HALF, other=0.0)[None, :]
-    _rotate_heads(q_ptr + token * stride_q_token, stride_q_head, cos, sin,
-                  NUM_HEADS, NUM_HEADS_PAD, HALF, HALF_PAD)
-    _rotate_heads(k_ptr + token * stride_k_token, stride_k_head, cos, sin,
-                  NUM_KV_HEADS, NUM_KV_HEADS_PAD, HALF, HALF_PAD)
+    rotate_heads(q_ptr + token * stride_q_token, stride_q_head, cos, sin,
+                 NUM_HEADS, NUM_HEADS_PAD, HALF, HALF_PAD)
+    rotate_heads(k_ptr + token * stride_k_token, stride_k_head, cos, sin,
+                 NUM_KV_HEADS, NUM_KV_HEADS_PAD, HALF, HALF_PAD)
 
 
-def _heads_view(name: str, x: torch.Tensor, num_tokens: int, head_dim: int) -> torch.Tensor:
+def heads_view(name: str, x: torch.Tensor, num_tokens: int, head_dim: int) -> torch.Tensor:
     """``x`` as ``[num_tokens, heads, head_dim]`` (a view), after checking it."""
     if x.dtype not in DTYPES:
         raise ValueError(f"{name}: dtype {x.dtype}; allowed: {DTYPES}")
@@ -98,19 +113,11 @@ def _heads_view(name: str, x: torch.Tensor, num_tokens: int, head_dim: int) -> t
     return x
 
 
-def apply_rotary(
-    positions: torch.Tensor,  # [num_tokens] int64 or int32
-    q: torch.Tensor,  # [num_tokens, num_heads * head_dim] or [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim] or [.., num_kv_heads, head_dim]
-    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] float32
-    head_dim: int,
-    rotary_dim: int,
+def check_rotary_inputs(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int, rotary_dim: int
 ) -> None:
-    """Rotate ``q`` and ``k`` in place by ``positions`` (neox style, partial rotary allowed).
-
-    ``q`` and ``k`` need only a unit last stride: views split from a packed
-    qkv tensor are rotated where they lie.
-    """
+    """Raise ValueError unless ``rotary_dim``, ``positions`` and ``cos_sin_cache`` suit a
+    rotation of heads of ``head_dim`` (devices are the caller's to check)."""
     if rotary_dim <= 0 or rotary_dim % 2 != 0 or rotary_dim > head_dim:
         raise ValueError(
             f"rotary_dim={rotary_dim}; must be even and in [2, head_dim={head_dim}]"
@@ -127,9 +134,25 @@ def apply_rotary(
             f"cos_sin_cache: {cos_sin_cache.dtype} of shape {tuple(cos_sin_cache.shape)}; "
             f"expected float32 [max_position, rotary_dim={rotary_dim}] with unit last stride"
         )
+
+
+def apply_rotary(
+    positions: torch.Tensor,  # [num_tokens] int64 or int32
+    q: torch.Tensor,  # [num_tokens, num_heads * head_dim] or [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim] or [.., num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] float32
+    head_dim: int,
+    rotary_dim: int,
+) -> None:
+    """Rotate ``q`` and ``k`` in place by ``positions`` (neox style, partial rotary allowed).
+
+    ``q`` and ``k`` need only a unit last stride: views split from a packed
+    qkv tensor are rotated where they lie.
+    """
+    check_rotary_inputs(positions, cos_sin_cache, head_dim, rotary_dim)
     num_tokens = positions.shape[0]
-    q3 = _heads_view("q", q, num_tokens, head_dim)
-    k3 = _heads_view("k", k, num_tokens, head_dim)
+    q3 = heads_view("q", q, num_tokens, head_dim)
+    k3 = heads_view("k", k, num_tokens, head_dim)
     if k.dtype != q.dtype:
         raise ValueError(f"k: dtype {k.dtype}; expected q's {q.dtype}")
     for name, tensor in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):

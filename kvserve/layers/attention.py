@@ -1,9 +1,14 @@
 """The attention layer models call, and the binding of KV caches to it.
 
 ``Attention`` owns no weights: it reshapes flat q/k/v into heads and hands
-them, with its layer's paged KV cache, to the attention backend. The model
-runner allocates the caches and calls ``bind_kv_cache`` once; the layer
-never allocates or frees cache memory itself.
+them, with its layer's paged KV cache, to the attention backend. Given the
+rotary module, it also owns where rope runs: inside the backend, fused with
+the KV write, when the backend ``fuses_rope`` and the module's
+``use_triton`` is on (the Triton backend on CUDA: one launch fewer per
+layer), else through the module before the backend (the torch reference
+path, unchanged). The model runner allocates the caches and calls
+``bind_kv_cache`` once; the layer never allocates or frees cache memory
+itself.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.backend import AttentionBackend, FusedRope
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -44,11 +50,24 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         metadata: AttentionMetadata,
+        positions: torch.Tensor | None = None,  # [num_tokens] int64
+        rotary_emb: RotaryEmbedding | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        """With ``rotary_emb``, ``q`` and ``k`` arrive un-rotated and are rotated by
+        ``positions`` here (q possibly in place); ``q``/``k`` may also be
+        ``[num_tokens, heads, head_dim]``."""
         if self.kv_cache is None or self.backend is None:
             raise RuntimeError(
                 "Attention: no KV cache bound; call bind_kv_cache(model, kv_caches, backend) first"
             )
+        rope = None
+        if rotary_emb is not None:
+            if positions is None:
+                raise ValueError("Attention: rotary_emb given without positions")
+            if rotary_emb.use_triton and self.backend.fuses_rope:
+                rope = FusedRope(positions, rotary_emb.cos_sin_cache, rotary_emb.rotary_dim)
+            else:
+                q, k = rotary_emb(positions, q, k)
         num_tokens = q.shape[0]
         out = self.backend.forward(
             q.reshape(num_tokens, self.num_heads, self.head_dim),
@@ -58,6 +77,7 @@ class Attention(nn.Module):
             metadata,
             self.scale,
             self.sliding_window,
+            rope,
         )  # [num_tokens, num_heads, head_dim]
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 

@@ -10,7 +10,11 @@ build one instance and share it across layers, so the cache exists once.
 With ``use_triton`` (see ``layers/custom_ops.py``) the rotation runs in the
 Triton kernel of ``kernels/rotary.py``, imported only then, which rotates q
 and k in place (they are views of the step's packed qkv, read by nothing
-else) and computes in float32; the torch code stays the oracle.
+else) and computes in float32; the torch code stays the oracle. Models hand
+this module to the attention layer (``layers/attention.py``), which, with
+``use_triton`` under a backend that fuses rope (the Triton one), passes
+the cos/sin cache to the backend's fused rope + KV write instead of
+calling this module.
 """
 
 from __future__ import annotations

@@ -5,12 +5,26 @@ two, strided rows, per-head norm on views of a packed qkv, 1 to 8 heads,
 partial rotary, random positions up to ``max_position - 1``. Fresh outputs
 are allocated NaN-poisoned (``torch.empty`` is patched), and the columns
 around the rotated q/k views are NaN, so an unwritten output or a write
-outside the views shows. Then the skinny GEMM (``Linear`` / ``LMHead`` with
-``use_triton``) against ``F.linear`` in float32 rounded once, on sizes that
-no block size divides, and which inputs its switch sends to it (one row).
+outside the views shows. The fused rope + KV write (``rope_store_kv``) must
+leave q and the paged cache (NaN in every slot no request owns) bit-equal to
+``apply_rotary`` then ``store_kv``, k, v and the NaN columns untouched, on
+GQA / MQA / MHA, head_dim 16, 24 and 64, partial rotary, a cache dtype other
+than q's, padding rows (slot -1) at any position and a real token at an
+out-of-range one; and match the torch layer then ``write_kv``, and, through
+the Triton backend, the torch reference backend. Then the skinny GEMM
+(``Linear`` / ``LMHead`` with ``use_triton``) against ``F.linear`` in
+float32 rounded once, on sizes that no block size divides, and which inputs
+its switch sends to it (one row).
+With the residual add and RMSNorm as its prologue (``skinny_norm_matmul``,
+``norm_and_project``) it must give the bits of ``add_rms_norm`` (or
+``rms_norm``) followed by the plain GEMM, the new residual in a new tensor
+and its inputs untouched, also on rows whose squares underflow or overflow
+(the exact sum of squares both kernels share); more rows fall back.
 Then whole tiny models: hidden states and logits of a 10-token step and a
 one-row decode with ``set_triton_ops`` on and off, in float32 (the linears
-keep ``F.linear``) and float16 (the one-row step's take the kernel).
+keep ``F.linear``) and float16 (the one-row step's take the kernel); and,
+over the Triton backend, rope fused into the KV write bit-equal to rotating
+first.
 
 Tolerances: float32 ``1e-5``; float16 99 % of elements bit-equal (the
 interpreter rounds fp16 to nearest, so this checks the rounding sequence)
@@ -33,6 +47,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,22 +58,33 @@ from tests.triton_interpreter import require_interpreter
 
 require_interpreter("tests/gpu/test_fused_ops_gpu.py")
 
-from kvserve.attention.backend import get_attention_backend
-from kvserve.kernels import skinny_gemm
+from kvserve.attention import triton_backend
+from kvserve.attention.backend import FusedRope, get_attention_backend
+from kvserve.attention.torch_ref import write_kv
+from kvserve.config import ModelConfig
+from kvserve.kernels import rotary, skinny_gemm
 from kvserve.kernels.activation import silu_and_mul
-from kvserve.kernels.rms_norm import add_rms_norm, rms_norm
+from kvserve.kernels.rms_norm import MAX_HIDDEN, add_rms_norm, rms_norm
+from kvserve.kernels.rope_store_kv import rope_store_kv
 from kvserve.kernels.rotary import apply_rotary
-from kvserve.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_matmul
+from kvserve.kernels.skinny_gemm import (
+    SkinnyConfig,
+    default_config,
+    skinny_matmul,
+    skinny_norm_matmul,
+)
+from kvserve.kernels.store_kv import store_kv
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.attention import bind_kv_cache
 from kvserve.layers.custom_ops import set_triton_ops
 from kvserve.layers.embedding import LMHead
-from kvserve.layers.linear import Linear, QKVLinear
+from kvserve.layers.linear import Linear, QKVLinear, norm_and_project
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.lora.layers import LoRABatch, LoRALinear
 from kvserve.models.loader import load_model
 from kvserve.models.source import resolve_model_config
+from tests.attention_cases import make_case
 from tests.conftest import make_attention_metadata
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -253,6 +279,192 @@ def test_rotary_leaves_out_of_range_positions_unrotated() -> None:
     assert not torch.equal(q[2], q_before[2])
 
 
+# a mixed step for the fused rope + KV write: a fresh prefill, a decode, a chunk
+# over a cached prefix, a one-token prefill, a chunk crossing several blocks
+ROPE_Q, ROPE_S = [5, 1, 7, 1, 10], [5, 9, 30, 1, 37]
+ROPE_MAX_POSITION = 64
+# CUDA-graph padding rows: slot -1, positions in range and out of it
+PAD_POSITIONS = [7, -1, 10**6]
+
+
+@dataclass
+class RopeStep:
+    """One step's rotary module, positions, slots, packed qkv (and its views) and cache."""
+
+    rope: RotaryEmbedding
+    positions: torch.Tensor  # [num_tokens] int64
+    slots: torch.Tensor  # [num_tokens] int64
+    qkv: torch.Tensor  # [num_tokens, q | k | v | NaN pad]
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim], a view of qkv
+    k: torch.Tensor  # [num_tokens, num_kv_heads * head_dim], a view of qkv
+    v: torch.Tensor  # [num_tokens, num_kv_heads * head_dim], a view of qkv
+    kv_cache: torch.Tensor  # NaN in every slot no request owns
+
+
+def rope_step(num_heads: int, num_kv_heads: int, head_dim: int, partial: float,
+              dtype: torch.dtype, cache_dtype: torch.dtype | None = None,
+              padded: bool = True) -> RopeStep:
+    """With ``padded``, one real token sits at ``max_position`` (left unrotated) and
+    the padding rows of ``PAD_POSITIONS`` follow the real ones."""
+    rope = RotaryEmbedding(head_dim, ROPE_MAX_POSITION,
+                           {"rope_theta": 10000.0, "partial_rotary_factor": partial})
+    case = make_case(ROPE_Q, ROPE_S, num_heads, num_kv_heads, head_dim, 4,
+                     cache_dtype or dtype)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(ROPE_Q, ROPE_S, strict=True)])
+    slots = case.metadata.slot_mapping
+    if padded:
+        positions[3] = ROPE_MAX_POSITION
+        positions = torch.cat([positions, torch.tensor(PAD_POSITIONS)])
+        slots = torch.cat([slots, torch.full((len(PAD_POSITIONS),), -1)])
+    num_tokens = len(positions)
+    qkv, (q, k, v) = packed_qkv(num_tokens, num_heads, num_kv_heads, head_dim, dtype,
+                                seed=num_heads * head_dim)
+    return RopeStep(rope, positions, slots, qkv, q.view(num_tokens, num_heads, head_dim), k, v,
+                    case.kv_cache)
+
+
+def fused_rope_store(step: RopeStep) -> None:
+    rope_store_kv(step.q, step.k, step.v, step.kv_cache, step.slots, step.positions,
+                  step.rope.cos_sin_cache, step.rope.rotary_dim)
+
+
+def assert_same_bits(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal bit for bit, NaNs (the poison) included."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    as_int = {2: torch.int16, 4: torch.int32}[out.element_size()]
+    assert torch.equal(out.view(as_int), ref.view(as_int))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (6, 2), (3, 3)])
+@pytest.mark.parametrize("head_dim,partial", [(16, 1.0), (64, 0.5), (24, 0.5)])
+def test_rope_store_kv_equals_rotary_then_store_kv(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, partial: float
+) -> None:
+    step = rope_step(num_heads, num_kv_heads, head_dim, partial, dtype)
+    num_tokens, q_size = step.qkv.shape[0], num_heads * head_dim
+    # the pair it replaces, on copies: rotate q and k in place, then write k and v
+    pair_qkv, pair_cache = step.qkv.clone(), step.kv_cache.clone()
+    pair_q, pair_k, pair_v = (pair_qkv[:, start : start + size].view(num_tokens, -1, head_dim)
+                              for start, size in ((0, q_size), (q_size, step.k.shape[1]),
+                                                  (q_size + step.k.shape[1], step.v.shape[1])))
+    apply_rotary(step.positions, pair_q, pair_k, step.rope.cos_sin_cache, head_dim,
+                 step.rope.rotary_dim)
+    store_kv(pair_k, pair_v, pair_cache, step.slots)
+    qkv_before = step.qkv.clone()
+    fused_rope_store(step)
+    assert_same_bits(step.q, pair_q)
+    assert_same_bits(step.kv_cache, pair_cache)
+    # k (only read), v and the NaN columns after them are untouched
+    assert_same_bits(step.qkv[:, q_size:], qkv_before[:, q_size:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim,partial", [(16, 1.0), (24, 0.5)])
+def test_rope_store_kv_matches_torch_reference(dtype: torch.dtype, head_dim: int,
+                                               partial: float) -> None:
+    step = rope_step(4, 2, head_dim, partial, dtype, padded=False)
+    set_triton_ops(step.rope, False)
+    # the oracle of "float32 math, one rounding": the layer on upcast inputs, then write_kv
+    ref_q, ref_k = (t.to(dtype) for t in step.rope(step.positions, step.q.float(),
+                                                   step.k.float()))
+    ref_cache = step.kv_cache.clone()
+    write_kv(ref_k.view(-1, 2, head_dim), step.v.reshape(-1, 2, head_dim), ref_cache, step.slots)
+    fused_rope_store(step)
+    assert_matches(step.q, ref_q)
+    written = ref_cache.view(2, -1, 2, head_dim)[:, step.slots]
+    assert_matches(step.kv_cache.view(2, -1, 2, head_dim)[:, step.slots], written)
+    assert torch.equal(step.kv_cache.isnan(), ref_cache.isnan())  # nothing else written
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float16),
+                                               (torch.bfloat16, torch.float32),
+                                               (torch.float16, torch.bfloat16)],
+                         ids=["fp32-fp16", "bf16-fp32", "fp16-bf16"])
+def test_rope_store_kv_casts_to_the_cache_dtype(dtype: torch.dtype,
+                                                cache_dtype: torch.dtype) -> None:
+    step = rope_step(4, 2, 16, 1.0, dtype, cache_dtype)
+    pair_q, pair_k, pair_cache = step.q.clone(), step.k.clone(), step.kv_cache.clone()
+    apply_rotary(step.positions, pair_q, pair_k, step.rope.cos_sin_cache, 16, 16)
+    store_kv(pair_k.view(-1, 2, 16), step.v.view(-1, 2, 16), pair_cache, step.slots)
+    fused_rope_store(step)
+    assert_same_bits(step.q, pair_q)
+    assert_same_bits(step.kv_cache, pair_cache)
+
+
+def test_rope_store_kv_with_no_tokens() -> None:
+    step = rope_step(4, 2, 16, 1.0, torch.float16)
+    cache = step.kv_cache.clone()
+    rope_store_kv(step.q[:0], step.k[:0], step.v[:0], step.kv_cache, step.slots[:0],
+                  step.positions[:0], step.rope.cos_sin_cache, 16)
+    assert_same_bits(step.kv_cache, cache)
+
+
+def test_rope_store_kv_rejects_bad_inputs() -> None:
+    step = rope_step(4, 2, 16, 1.0, torch.float16)
+    kwargs: dict[str, Any] = dict(q=step.q, k=step.k, v=step.v, kv_cache=step.kv_cache,
+                                  slot_mapping=step.slots, positions=step.positions,
+                                  cos_sin_cache=step.rope.cos_sin_cache, rotary_dim=16)
+
+    def call(**override: Any) -> None:
+        rope_store_kv(**{**kwargs, **override})
+
+    with pytest.raises(ValueError, match="kv_cache: shape"):
+        call(kv_cache=step.kv_cache[0])
+    with pytest.raises(ValueError, match="rotary_dim=18; must be even and in"):
+        call(rotary_dim=18)
+    with pytest.raises(ValueError, match=r"positions: torch\.int16"):
+        call(positions=step.positions.short())
+    with pytest.raises(ValueError, match=r"cos_sin_cache: torch\.float16"):
+        call(cos_sin_cache=step.rope.cos_sin_cache.half())
+    with pytest.raises(ValueError, match=r"q: shape \(27, 4, 8\)"):
+        call(q=step.q[..., :8])
+    with pytest.raises(ValueError, match="q: last-dimension stride 2"):
+        call(q=step.q.repeat_interleave(2, dim=-1)[..., ::2])
+    with pytest.raises(ValueError, match="q: 3 heads; must be a multiple of"):
+        call(q=step.q[:, :3])
+    with pytest.raises(ValueError, match="k: 1 heads; expected kv_cache's num_kv_heads=2"):
+        call(k=step.k[:, :16])
+    with pytest.raises(ValueError, match=r"v: dtype torch\.float32; expected q's torch\.float16"):
+        call(v=step.v.float())
+    with pytest.raises(ValueError, match=r"slot_mapping: torch\.int32"):
+        call(slot_mapping=step.slots.int())
+    with pytest.raises(ValueError, match=r"slot_mapping: torch\.int64 of shape \(26,\)"):
+        call(slot_mapping=step.slots[1:])
+    with pytest.raises(ValueError, match="positions: on meta"):
+        call(positions=step.positions.to("meta"))
+
+
+@pytest.mark.parametrize("query_lens,seq_lens", [([1, 1, 1], [3, 20, 41]), (ROPE_Q, ROPE_S)],
+                         ids=["decode", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_triton_backend_fuses_rope(query_lens: list[int], seq_lens: list[int],
+                                   dtype: torch.dtype) -> None:
+    """The backend given ``rope``: the same output and cache, bit for bit, as
+    rotating first; close to the torch reference backend after the layer's rope."""
+    case = make_case(query_lens, seq_lens, 4, 2, 16, 4, dtype)
+    positions = torch.cat([torch.arange(s - q, s)
+                           for q, s in zip(query_lens, seq_lens, strict=True)])
+    rope = RotaryEmbedding(16, ROPE_MAX_POSITION, {"partial_rotary_factor": 0.5})
+    triton_backend, torch_backend = get_attention_backend("triton"), get_attention_backend("torch")
+    assert triton_backend.fuses_rope and not torch_backend.fuses_rope
+    args = (case.metadata, 0.25, 8)
+    fused_cache, pair_cache, ref_cache = (case.kv_cache.clone() for _ in range(3))
+    fused_q, pair_q, pair_k = case.q.clone(), case.q.clone(), case.k.clone()
+    rope_args = FusedRope(positions, rope.cos_sin_cache, rope.rotary_dim)
+    fused = triton_backend.forward(fused_q, case.k, case.v, fused_cache, *args, rope_args)
+    apply_rotary(positions, pair_q, pair_k, rope.cos_sin_cache, 16, rope.rotary_dim)
+    pair = triton_backend.forward(pair_q, pair_k, case.v, pair_cache, *args)
+    assert_same_bits(fused, pair)
+    assert_same_bits(fused_cache, pair_cache)
+    ref_q, ref_k = rope(positions, case.q, case.k)  # the torch reference path
+    ref = torch_backend.forward(ref_q, ref_k, case.v, ref_cache, *args)
+    error = ((fused.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
+    with pytest.raises(ValueError, match="rope: the torch backend does not fuse"):
+        torch_backend.forward(case.q, case.k, case.v, ref_cache, *args, rope_args)
+
+
 # N = 40, K = 80: no block size divides N; block_k 16 divides K (no K mask), 32 and
 # the default 128 do not (the last K chunk masked)
 SKINNY_N, SKINNY_K = 40, 80
@@ -331,6 +543,151 @@ def test_down_projection_fuses_the_silu_gate(monkeypatch: pytest.MonkeyPatch) ->
     gate_up = randn(1, 2 * SKINNY_K, dtype=torch.float16, seed=30)
     assert torch.equal(down.forward_gated(gate_up, act), down(act(gate_up)))
     assert calls == [1, 1]
+
+
+# (N, K, config): K not a multiple of the block (last chunk masked) or of 512,
+# N not a multiple of 8; 16 x 1024 the default config's unmasked path
+NORMED_CASES = [(SKINNY_N, SKINNY_K, "default"), (SKINNY_N, SKINNY_K, "fma"),
+                (SKINNY_N, SKINNY_K, "fma-even-k"), (37, 1100, "default"), (16, 1024, "default")]
+
+
+def norm_inputs(
+    n: int, k: int, dtype: torch.dtype, seed: int, with_bias: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x`` (a row of a wider buffer), ``residual``, the norm's weight, ``W``, ``bias``."""
+    x = randn(1, k + 24, dtype=dtype, seed=seed)[:, 24:]
+    residual = randn(1, k, dtype=dtype, seed=seed + 1, scale=4.0)
+    weight = randn(n, k, dtype=dtype, seed=seed + 2, scale=0.1)
+    bias = randn(n, dtype=dtype, seed=seed + 3) if with_bias else None
+    return x, residual, make_norm(k, dtype, seed + 4).weight.data, weight, bias
+
+
+def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The residual add, RMSNorm and ``F.linear`` in float32, rounded once at the end."""
+    h = x.float() if residual is None else x.float() + residual.float()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight.float()
+    return linear_ref(normed, weight.float(), bias).to(x.dtype)
+
+
+@pytest.mark.parametrize("n,k,config_name", NORMED_CASES,
+                         ids=[f"{n}x{k}-{c}" for n, k, c in NORMED_CASES])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_normed_skinny_matmul_equals_add_rms_norm_then_matmul(
+    n: int, k: int, config_name: str, dtype: torch.dtype, with_residual: bool, with_bias: bool,
+) -> None:
+    config = SKINNY_CONFIGS[config_name]
+    x, residual, norm_weight, weight, bias = norm_inputs(n, k, dtype, seed=n + k,
+                                                         with_bias=with_bias)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, summed = skinny_norm_matmul(x, residual if with_residual else None, norm_weight, 1e-6,
+                                     weight, bias, config)
+    # the same bits as the norm kernel followed by the GEMM (outputs are NaN-poisoned)
+    if with_residual:
+        normed, ref_summed = add_rms_norm(x, residual, norm_weight, 1e-6)
+        assert summed is not None and torch.equal(summed, ref_summed)
+        assert summed.data_ptr() not in (x.data_ptr(), residual.data_ptr())
+    else:
+        normed = rms_norm(x, norm_weight, 1e-6)
+        assert summed is None
+    assert torch.equal(out, skinny_matmul(normed, weight, bias, config))
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+    if dtype == torch.float16:  # the interpreter truncates to bfloat16: tests/gpu checks it
+        assert_close_linear(out, norm_linear_ref(x, residual if with_residual else None,
+                                                 norm_weight, weight, bias))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the inf squares
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rms_norm_exact_sum_of_squares_on_extreme_rows(dtype: torch.dtype) -> None:
+    # squares that underflow, overflow float32 (torch: variance inf, output 0; float16
+    # cannot get there, so its largest values), a zero row, and a row of tiny values
+    # beside a few large ones
+    hidden = 200
+    rows = randn(5, hidden, dtype=torch.float32, seed=50)
+    rows[0] *= 1e-30
+    rows[1] *= 1e4 if dtype == torch.float16 else 1e25
+    rows[2] = 0.0
+    rows[3] *= 1e-4
+    rows[3, ::50] = 1e3
+    rows = rows.to(dtype)
+    norm = make_norm(hidden, dtype, seed=51)
+    out, ref = run_both(norm, rows)
+    assert_matches(out, ref)
+    if dtype != torch.float32:  # the fused prologue gets the same bits on every row
+        weight = randn(24, hidden, dtype=dtype, seed=52, scale=0.1)
+        for row in rows.split(1):
+            fused, _ = skinny_norm_matmul(row, None, norm.weight, norm.eps, weight)
+            assert torch.equal(fused, skinny_matmul(rms_norm(row, norm.weight, norm.eps), weight))
+
+
+def count_norm_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Patch ``skinny_norm_matmul`` to record the row count of each call."""
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        calls.append(x.shape[0])
+        return skinny_norm_matmul(x, *args, **kwargs)
+
+    monkeypatch.setattr(skinny_gemm, "skinny_norm_matmul", counted)
+    return calls
+
+
+def test_norm_and_project_fuses_the_norm_into_one_row_projections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = count_norm_calls(monkeypatch)
+    dtype = torch.float16
+    qkv = QKVLinear(SKINNY_K, head_dim=8, num_heads=3, num_kv_heads=1, bias=True).to(dtype)
+    assert qkv.bias is not None
+    with torch.no_grad():
+        qkv.weight.copy_(randn(SKINNY_N, SKINNY_K, dtype=dtype, seed=60, scale=0.1))
+        qkv.bias.copy_(randn(SKINNY_N, dtype=dtype, seed=61))
+    norm = make_norm(SKINNY_K, dtype, seed=62)
+
+    def check(m: int, seed: int) -> None:
+        """``norm_and_project`` equals the norm then the projection, bit for bit."""
+        x = randn(m, SKINNY_K, dtype=dtype, seed=seed)
+        residual = randn(m, SKINNY_K, dtype=dtype, seed=seed + 1, scale=4.0)
+        out, new_residual = norm_and_project(qkv, x, residual, norm)
+        hidden, ref_residual = norm(x, residual)
+        assert torch.equal(out, qkv(hidden)) and torch.equal(new_residual, ref_residual)
+        out, same = norm_and_project(qkv, x, None, norm)  # a first layer: x is the residual
+        assert same is x and torch.equal(out, qkv(norm(x)))
+
+    assert set_triton_ops(torch.nn.ModuleList([qkv, norm]), True) == 2
+    check(1, seed=63)
+    assert calls == [1, 1]  # with and without the residual
+    check(3, seed=65)  # three rows: the norm kernel, then F.linear
+    assert calls == [1, 1]
+    set_triton_ops(norm, False)  # the torch norm, then the skinny GEMM
+    check(1, seed=67)
+    set_triton_ops(torch.nn.ModuleList([qkv, norm]), False)
+    check(1, seed=69)
+    assert calls == [1, 1]
+
+
+def test_normed_skinny_matmul_rejects_bad_inputs() -> None:
+    x, residual, norm_weight, weight, _ = norm_inputs(SKINNY_N, SKINNY_K, torch.float16, seed=70)
+    with pytest.raises(ValueError, match=r"x: shape \(2, 80\); the norm prologue takes one row"):
+        skinny_norm_matmul(x.expand(2, -1), None, norm_weight, 1e-6, weight)
+    with pytest.raises(ValueError, match="residual: shape"):
+        skinny_norm_matmul(x, residual[:, :-1], norm_weight, 1e-6, weight)
+    with pytest.raises(ValueError, match=r"residual: torch\.bfloat16"):
+        skinny_norm_matmul(x, residual.bfloat16(), norm_weight, 1e-6, weight)
+    with pytest.raises(ValueError, match=r"norm_weight: shape \(79,\)"):
+        skinny_norm_matmul(x, residual, norm_weight[1:], 1e-6, weight)
+    with pytest.raises(ValueError, match=r"norm_weight: torch\.float32"):
+        skinny_norm_matmul(x, residual, norm_weight.float(), 1e-6, weight)
+    with pytest.raises(ValueError, match="N must be >= 1"):
+        skinny_norm_matmul(x, residual, norm_weight, 1e-6, weight[:0])
+    with pytest.raises(ValueError, match="FMA only"):
+        skinny_norm_matmul(x, residual, norm_weight, 1e-6, weight, None, SKINNY_CONFIGS["dot"])
+    big = torch.ones(1, MAX_HIDDEN + 1, dtype=torch.float16)
+    with pytest.raises(ValueError, match="MAX_HIDDEN"):
+        skinny_norm_matmul(big, None, big[0], 1e-6, big)
 
 
 def test_skinny_default_config_fills_the_card() -> None:
@@ -469,6 +826,27 @@ def test_launchers_reject_bad_inputs() -> None:
         apply_rotary(positions, torch.randn(2, 64)[:, ::2], k, cache, 16, 16)
 
 
+def model_steps(model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype,
+                backend: str) -> list[torch.Tensor]:
+    """Hidden states and logits of two forwards on fresh zero caches: a 9-token
+    prefill and a decode at position 20 in one flattened batch, then that decode
+    alone (one row: the linears' skinny GEMM); then the caches."""
+    steps = [make_attention_metadata([9, 1], [9, 21], [[3, 1, 7], [2, 5, 4, 6, 9, 8]],
+                                     block_size=4),
+             make_attention_metadata([1], [21], [[2, 5, 4, 6, 9, 8]], block_size=4)]
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, config.vocab_size, (10,), generator=generator)
+    caches = [torch.zeros(2, 10, 4, config.num_kv_heads, config.head_dim, dtype=dtype)
+              for _ in range(config.num_layers)]
+    bind_kv_cache(model, caches, get_attention_backend(backend))
+    outputs = []
+    with torch.inference_mode():
+        for metadata, positions in steps:
+            hidden = model(input_ids[:len(positions)], positions, metadata)
+            outputs += [hidden.float(), model.compute_logits(hidden)]
+    return [*outputs, *caches]
+
+
 @pytest.mark.parametrize("variant,expected_count", [
     # per layer: 2 norms + SiluAndMul (+ Qwen3's q/k norms) + 4 linears (qkv, o, gate_up,
     # down); the final norm, the LM head and one shared rope
@@ -482,32 +860,70 @@ def test_model_hidden_states_match_with_triton_ops(
     dtype: torch.dtype, max_error: float, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls = count_skinny_calls(monkeypatch)
+    normed_calls = count_norm_calls(monkeypatch)
     config, model_path = resolve_model_config(str(tiny_checkpoint(variant)))
     model = load_model(config, model_path, "auto", dtype, torch.device("cpu"))
     assert not any(getattr(m, "use_triton", False) for m in model.modules())  # off by default
-    # a 9-token prefill and a decode at position 20 in one flattened batch, then
-    # a decode alone (one row: the linears' skinny GEMM)
-    steps = [make_attention_metadata([9, 1], [9, 21], [[3, 1, 7], [2, 5, 4, 6, 9, 8]],
-                                     block_size=4),
-             make_attention_metadata([1], [21], [[2, 5, 4, 6, 9, 8]], block_size=4)]
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, config.vocab_size, (10,), generator=generator)
     outputs: dict[bool, list[torch.Tensor]] = {}
     for enabled in (False, True):
         assert set_triton_ops(model, enabled) == expected_count
-        caches = [torch.zeros(2, 10, 4, config.num_kv_heads, config.head_dim, dtype=dtype)
-                  for _ in range(config.num_layers)]
-        bind_kv_cache(model, caches, get_attention_backend("torch"))
-        outputs[enabled] = []
-        with torch.inference_mode():
-            for metadata, positions in steps:
-                hidden = model(input_ids[:len(positions)], positions, metadata)
-                outputs[enabled] += [hidden.float(), model.compute_logits(hidden)]
-    # the one-row step: every linear and the head take the skinny GEMM in 16 bits
-    assert calls == ([1] * (4 * config.num_layers + 1) if dtype == torch.float16 else [])
+        outputs[enabled] = model_steps(model, config, dtype, "torch")[:4]
+    # the one-row step: every linear and the head take the skinny GEMM in 16 bits, qkv and
+    # gate_up with the norm before them in its prologue
+    fp16 = dtype == torch.float16
+    assert calls == ([1] * (2 * config.num_layers + 1) if fp16 else [])
+    assert normed_calls == ([1] * (2 * config.num_layers) if fp16 else [])
     for out, ref in zip(outputs[True], outputs[False], strict=True):
         error = ((out - ref).norm() / ref.norm()).item()
         assert error < max_error, f"relative error {error:.2e}"
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str,
+                calls: dict[str, int]) -> None:
+    """Patch ``module.name`` to count its calls in ``calls[name]``."""
+    original = getattr(module, name)
+    calls[name] = 0
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[name] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_model_fuses_rope_into_the_kv_write(
+    tiny_checkpoint: Callable[[str], Path], variant: str, dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the Triton backend and the Triton ops on, every layer rotates q and k
+    in the backend's one launch, with hidden states, logits and caches bit-equal
+    to rotating first (``apply_rotary``, then ``store_kv``); with the ops off the
+    layer's torch rope runs first, and the backend's ``store_kv``."""
+    calls: dict[str, int] = {}
+    count_calls(monkeypatch, triton_backend, "rope_store_kv", calls)
+    count_calls(monkeypatch, triton_backend, "store_kv", calls)
+    count_calls(monkeypatch, rotary, "apply_rotary", calls)
+    config, model_path = resolve_model_config(str(tiny_checkpoint(variant)))
+    model = load_model(config, model_path, "auto", dtype, torch.device("cpu"))
+    launches = 2 * config.num_layers  # per kernel over the two steps
+    set_triton_ops(model, True)
+    fused = model_steps(model, config, dtype, "triton")
+    assert calls == {"rope_store_kv": launches, "store_kv": 0, "apply_rotary": 0}
+    monkeypatch.setattr(triton_backend.TritonAttentionBackend, "fuses_rope", False)
+    rotated_first = model_steps(model, config, dtype, "triton")
+    assert calls == {"rope_store_kv": launches, "store_kv": launches, "apply_rotary": launches}
+    for out, ref in zip(fused, rotated_first, strict=True):
+        assert_same_bits(out, ref)
+    monkeypatch.setattr(triton_backend.TritonAttentionBackend, "fuses_rope", True)
+    set_triton_ops(model, False)
+    torch_rope = model_steps(model, config, dtype, "triton")
+    assert calls == {"rope_store_kv": launches, "store_kv": 2 * launches,
+                     "apply_rotary": launches}
+    for out, ref in zip(fused[:4], torch_rope[:4], strict=True):  # other ops differ too
+        error = ((out - ref).norm() / ref.norm()).item()
+        assert error < (1e-4 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
 
 
 def test_layers_import_and_run_without_triton() -> None:
@@ -521,6 +937,16 @@ def test_layers_import_and_run_without_triton() -> None:
         "assert set_triton_ops(norm, False) == 1\n"
         "norm(torch.ones(2, 8), torch.ones(2, 8))\n"
         "Linear(8, 4)(torch.ones(2, 8))\n"
+        # attention with rope over the torch backend: the layer rotates, in torch
+        "from kvserve.attention.backend import get_attention_backend\n"
+        "from kvserve.layers.attention import Attention, bind_kv_cache\n"
+        "from kvserve.layers.rotary import RotaryEmbedding\n"
+        "from tests.conftest import make_attention_metadata\n"
+        "attn = Attention(2, 1, 8, 1.0)\n"
+        "bind_kv_cache(attn, [torch.zeros(2, 2, 4, 1, 8)], get_attention_backend('torch'))\n"
+        "metadata, positions = make_attention_metadata([3], [3], [[1]], 4)\n"
+        "attn(torch.ones(3, 16), torch.ones(3, 8), torch.ones(3, 8), metadata, positions,\n"
+        "     RotaryEmbedding(8, 16, {}))\n"
         "try:\n"
         "    set_triton_ops(norm, True)\n"
         "except ImportError:\n"

@@ -1,0 +1,168 @@
+"""The fused rope + KV write kernel ``rope_store_kv``: one launch per layer that
+rotates q IN PLACE by its tokens' positions and writes the rotated k, and v,
+into the paged cache at the slot mapping, cast to the cache dtype.
+
+It replaces ``apply_rotary`` (``rotary.py``) followed by ``store_kv``
+(``store_kv.py``) in the Triton attention backend, and leaves q and the cache
+bit for bit as that pair does: the same ``rotate_pair`` in float32, each
+output rounded once to q/k's dtype, k then cast to the cache dtype. k itself
+is only read (what attention reads next is the cache), which saves writing
+it back. A position outside ``[0, max_position)`` leaves its token
+unrotated; a negative slot (CUDA-graph padding) writes nothing to the cache,
+yet its q is still rotated, as the pair would.
+
+Grid ``(num_tokens, num_kv_heads)``: a program rotates the GQA group of
+query heads that share its KV head and writes that head's k and v. At
+decode a token's work then spreads over ``num_kv_heads`` programs (SMs)
+instead of one, and a program's heads are exactly its group, so nothing is
+masked but the padding of the group to a power of two; each program re-reads
+its position's cos/sin row (``rotary_dim`` floats, from cache). Nothing is
+read back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels.rotary import check_rotary_inputs, heads_view, rotate_heads, rotate_pair
+from kvserve.kernels.store_kv import check_kv_cache
+
+
+@triton.jit
+def rope_store_kv_kernel(
+    positions_ptr,  # [num_tokens] int32 or int64
+    slot_mapping_ptr,  # [num_tokens] int64
+    q_ptr,  # [num_tokens, num_heads, head_dim], rotated in place
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim], read only
+    v_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    cos_sin_ptr,  # [max_position, 2 * HALF] float32: cos | sin
+    max_position,
+    stride_q_token,
+    stride_q_head,
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_cos_sin_pos,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,
+    HALF: tl.constexpr,  # rotary_dim // 2
+    HALF_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    TAIL_PAD: tl.constexpr,  # covers the head_dim - rotary_dim unrotated dims (at least 1)
+):
+    token = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    rotate = (pos >= 0) & (pos < max_position)
+    dims = tl.arange(0, HALF_PAD)
+    half_mask = dims < HALF
+    # an out-of-range position reads row 0, which nothing then uses
+    cos_sin_row = cos_sin_ptr + tl.where(rotate, pos, 0) * stride_cos_sin_pos
+    cos = tl.load(cos_sin_row + dims, mask=half_mask, other=0.0)
+    sin = tl.load(cos_sin_row + HALF + dims, mask=half_mask, other=0.0)
+    if rotate:
+        rotate_heads(q_ptr + token * stride_q_token + kv_head * GROUP * stride_q_head,
+                     stride_q_head, cos[None, :], sin[None, :], GROUP, GROUP_PAD, HALF, HALF_PAD)
+    if slot >= 0:
+        cache_offset = ((slot // BLOCK_SIZE) * stride_cache_block
+                        + (slot % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head)
+        k_head = k_ptr + token * stride_k_token + kv_head * stride_k_head
+        k_cache_head = k_cache_ptr + cache_offset
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        x1 = tl.load(k_head + dims, mask=half_mask)
+        x2 = tl.load(k_head + HALF + dims, mask=half_mask)
+        rotated1, rotated2 = rotate_pair(x1.to(tl.float32), x2.to(tl.float32), cos, sin)
+        # rounded to k's dtype, then cast to the cache's: as rotating k in place and
+        # copying it would; an out-of-range position keeps k's own bits
+        key1 = tl.where(rotate, rotated1.to(k_ptr.dtype.element_ty), x1)
+        key2 = tl.where(rotate, rotated2.to(k_ptr.dtype.element_ty), x2)
+        tl.store(k_cache_head + dims, key1.to(cache_dtype), mask=half_mask)
+        tl.store(k_cache_head + HALF + dims, key2.to(cache_dtype), mask=half_mask)
+        tail = 2 * HALF + tl.arange(0, TAIL_PAD)  # partial rotary: copied as they are
+        tail_mask = tail < HEAD_DIM
+        key_tail = tl.load(k_head + tail, mask=tail_mask)
+        tl.store(k_cache_head + tail, key_tail.to(cache_dtype), mask=tail_mask)
+        head_dims = tl.arange(0, HEAD_DIM_PAD)
+        head_mask = head_dims < HEAD_DIM
+        value = tl.load(v_ptr + token * stride_v_token + kv_head * stride_v_head + head_dims,
+                        mask=head_mask)
+        tl.store(v_cache_ptr + cache_offset + head_dims,
+                 value.to(v_cache_ptr.dtype.element_ty), mask=head_mask)
+
+
+def rope_store_kv(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim] or [num_tokens, num_heads * head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] or [.., num_kv_heads * head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] or [.., num_kv_heads * head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    positions: torch.Tensor,  # [num_tokens] int32 or int64
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] float32: cos | sin
+    rotary_dim: int,
+) -> None:
+    """Rotate ``q`` in place by ``positions`` and write ``k`` rotated, and ``v``, into
+    ``kv_cache`` at ``slot_mapping``; ``k`` is left as it was.
+
+    q, k and v need only a unit last stride (views of a packed qkv tensor do).
+    """
+    check_kv_cache(kv_cache)
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    check_rotary_inputs(positions, cos_sin_cache, head_dim, rotary_dim)
+    num_tokens = positions.shape[0]
+    q3 = heads_view("q", q, num_tokens, head_dim)
+    k3 = heads_view("k", k, num_tokens, head_dim)
+    v3 = heads_view("v", v, num_tokens, head_dim)
+    for name, tensor in (("k", k3), ("v", v3)):
+        if tensor.shape[1] != num_kv_heads:
+            raise ValueError(
+                f"{name}: {tensor.shape[1]} heads; expected kv_cache's num_kv_heads={num_kv_heads}"
+            )
+        if tensor.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {tensor.dtype}; expected q's {q.dtype}")
+    if q3.shape[1] % num_kv_heads != 0:
+        raise ValueError(
+            f"q: {q3.shape[1]} heads; must be a multiple of kv_cache's "
+            f"num_kv_heads={num_kv_heads}"
+        )
+    if (slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (num_tokens,)
+            or not slot_mapping.is_contiguous()):
+        raise ValueError(
+            f"slot_mapping: {slot_mapping.dtype} of shape {tuple(slot_mapping.shape)}; expected "
+            f"a contiguous [num_tokens={num_tokens}] int64 tensor"
+        )
+    for name, tensor in (("q", q), ("k", k), ("v", v), ("slot_mapping", slot_mapping),
+                         ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+        if tensor.device != kv_cache.device:
+            raise ValueError(
+                f"{name}: on {tensor.device}; expected {kv_cache.device} (kv_cache's device)"
+            )
+    if num_tokens == 0:
+        return
+    group = q3.shape[1] // num_kv_heads
+    half = rotary_dim // 2
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    rope_store_kv_kernel[(num_tokens, num_kv_heads)](
+        positions, slot_mapping, q3, k3, v3, k_cache, v_cache, cos_sin_cache,
+        cos_sin_cache.shape[0],
+        q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group),
+        HALF=half,
+        HALF_PAD=triton.next_power_of_2(half),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        TAIL_PAD=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
+    )
