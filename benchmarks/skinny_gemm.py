@@ -16,14 +16,7 @@ skinny result is checked against ``F.linear`` (relative error of the norm
 below 1e-2); the script exits 1 on a mismatch. One line per candidate as it
 runs, then one markdown table last.
 
-Then, at one row for the projections that follow an RMSNorm (qkv and
-gate_up), the residual add + RMSNorm fused into the GEMM as its prologue
-(``skinny_norm_matmul``) against the two kernels it replaces
-(``add_rms_norm``, then ``skinny_matmul``), each timed the same way, with
-the norm and the GEMM alone beside them; the fused output and residual must
-be bit-equal to the two kernels' (exit 1 otherwise). A second table.
-
-    PYTHONPATH=. python benchmarks/skinny_gemm.py [--no-sweep] [--norm-only] [--json out.json]
+    PYTHONPATH=. python benchmarks/skinny_gemm.py [--no-sweep] [--json out.json]
 """
 
 from __future__ import annotations
@@ -39,13 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.bench.device_rates import copy_rate_gb_s, graph_call_us
-from kvserve.kernels.rms_norm import add_rms_norm
-from kvserve.kernels.skinny_gemm import (
-    SkinnyConfig,
-    default_config,
-    skinny_matmul,
-    skinny_norm_matmul,
-)
+from kvserve.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_matmul
 
 SHAPES = {  # name: (N, K) of the weight [N, K]
     "qkv": (6144, 4096),
@@ -55,8 +42,6 @@ SHAPES = {  # name: (N, K) of the weight [N, K]
     "lm_head": (128256, 4096),
 }
 ROWS = (1, 2, 4, 8, 16)
-NORM_SHAPES = ("qkv", "gate_up")  # the projections right after an RMSNorm
-NORM_EPS = 1e-5
 DTYPE = torch.bfloat16
 CALLS_PER_GRAPH = 48
 REPLAYS = 10
@@ -142,59 +127,9 @@ def run_case(shape: str, weights: list[torch.Tensor], rows: int, sweep: bool,
     return Case(shape, n, k, rows, linear_us, num_bytes / linear_us / 1e3, timings)
 
 
-@dataclass
-class NormCase:
-    shape: str
-    n: int
-    k: int
-    norm_us: float  # add_rms_norm alone
-    gemm_us: float  # skinny_matmul alone
-    unfused_us: float  # add_rms_norm, then skinny_matmul
-    fused_us: float  # skinny_norm_matmul
-    fused_gb_s: float
-    bit_equal: bool  # output and new residual equal to the two kernels'
-
-
-def run_norm_case(shape: str, weights: list[torch.Tensor]) -> NormCase:
-    n, k = weights[0].shape
-    x = torch.randn(1, k, dtype=DTYPE, device="cuda")
-    residual = (10 * torch.randn(1, k, device="cuda")).to(DTYPE)
-    norm_weight = (1 + 0.2 * torch.randn(k, device="cuda")).to(DTYPE)
-    # weight, x, residual, norm weight read; output and new residual written
-    num_bytes = (n * k + 4 * k + n) * DTYPE.itemsize
-
-    def unfused(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        normed, summed = add_rms_norm(x, residual, norm_weight, NORM_EPS)
-        return skinny_matmul(normed, w), summed
-
-    def fused(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return skinny_norm_matmul(x, residual, norm_weight, NORM_EPS, w)
-
-    (out, summed), (ref_out, ref_summed) = fused(weights[0]), unfused(weights[0])
-    bit_equal = (torch.equal(out, ref_out) and summed is not None
-                 and torch.equal(summed, ref_summed))
-    normed, _ = add_rms_norm(x, residual, norm_weight, NORM_EPS)
-    fused_us = graph_us(fused, weights)
-    case = NormCase(
-        shape, n, k,
-        norm_us=graph_us(lambda w: add_rms_norm(x, residual, norm_weight, NORM_EPS), weights),
-        gemm_us=graph_us(lambda w: skinny_matmul(normed, w), weights),
-        unfused_us=graph_us(unfused, weights),
-        fused_us=fused_us,
-        fused_gb_s=num_bytes / fused_us / 1e3,
-        bit_equal=bit_equal,
-    )
-    print(f"  {shape:8} M=1  norm {case.norm_us:.2f} µs, GEMM {case.gemm_us:.2f} µs, "
-          f"norm + GEMM {case.unfused_us:.2f} µs, fused {case.fused_us:.2f} µs "
-          f"({case.fused_gb_s:.0f} GB/s){'' if bit_equal else '  MISMATCH'}", flush=True)
-    return case
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-sweep", action="store_true", help="time the default config only")
-    parser.add_argument("--norm-only", action="store_true",
-                        help="time only the fused norm + GEMM against the two kernels")
     parser.add_argument("--json", default=None, help="also write every result to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -206,36 +141,23 @@ def main() -> int:
     copy_gb_s = copy_rate_gb_s()
     print(f"{card} ({num_sms} SMs): device-to-device copy {copy_gb_s:,.0f} GB/s; "
           f"{CALLS_PER_GRAPH} calls a graph, {REPLAYS} replays, {DTYPE}", flush=True)
-    cases, norm_cases = [], []
+    cases = []
     for shape, (n, k) in SHAPES.items():
-        if args.norm_only and shape not in NORM_SHAPES:
-            continue
         num_copies = -(-ROTATION_BYTES // (n * k * DTYPE.itemsize))
         weights = [(0.02 * torch.randn(n, k, device="cuda")).to(DTYPE)
                    for _ in range(num_copies)]
-        for rows in () if args.norm_only else ROWS:
+        for rows in ROWS:
             cases.append(run_case(shape, weights, rows, not args.no_sweep, num_sms))
-        if shape in NORM_SHAPES:
-            norm_cases.append(run_norm_case(shape, weights))
         del weights
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"card": card, "num_sms": num_sms, "copy_gb_s": copy_gb_s,
-                       "cases": [asdict(case) for case in cases],
-                       "norm_cases": [asdict(case) for case in norm_cases]}, f, indent=2)
-    failed = print_tables(card, copy_gb_s, cases, norm_cases)
-    return 1 if failed else 0
-
-
-def print_tables(card: str, copy_gb_s: float, cases: list[Case],
-                 norm_cases: list[NormCase]) -> bool:
-    """Print the two markdown tables; return whether any check failed."""
+                       "cases": [asdict(case) for case in cases]}, f, indent=2)
     print(f"\n{card}, copy {copy_gb_s:,.0f} GB/s; speed-up = F.linear µs / skinny µs\n")
-    if cases:
-        print("| shape | M | F.linear µs | F.linear GB/s | skinny µs | skinny GB/s | of copy "
-              "| speed-up | best config | best GB/s | best speed-up | max rel err |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    print("| shape | M | F.linear µs | F.linear GB/s | skinny µs | skinny GB/s | of copy "
+          "| speed-up | best config | best GB/s | best speed-up | max rel err |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for case in cases:
         default, best = case.timings[0], case.best
         print(f"| {case.shape} {case.n}x{case.k} | {case.rows} | {case.linear_us:.2f} "
@@ -243,24 +165,10 @@ def print_tables(card: str, copy_gb_s: float, cases: list[Case],
               f"| {default.gb_s / copy_gb_s:.0%} | {case.linear_us / default.us:.2f}x "
               f"| {best.config} | {best.gb_s:,.0f} | {case.linear_us / best.us:.2f}x "
               f"| {case.max_error:.1e} |")
-    print(f"\n{card}, one row: the residual add + RMSNorm fused into the GEMM's prologue "
-          "against add_rms_norm then skinny_matmul\n")
-    print("| shape | norm µs | GEMM µs | norm + GEMM µs | fused µs | fused GB/s | of copy "
-          "| saved µs | speed-up | bit-equal |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for nc in norm_cases:
-        print(f"| {nc.shape} {nc.n}x{nc.k} | {nc.norm_us:.2f} | {nc.gemm_us:.2f} "
-              f"| {nc.unfused_us:.2f} | {nc.fused_us:.2f} | {nc.fused_gb_s:,.0f} "
-              f"| {nc.fused_gb_s / copy_gb_s:.0%} | {nc.unfused_us - nc.fused_us:.2f} "
-              f"| {nc.unfused_us / nc.fused_us:.2f}x | {'yes' if nc.bit_equal else 'NO'} |")
-    failed = False
     if any(not case.max_error < MAX_ERROR for case in cases):
         print(f"\nFAILED: a skinny result differs from F.linear by {MAX_ERROR:.0e} or more")
-        failed = True
-    if not all(nc.bit_equal for nc in norm_cases):
-        print("\nFAILED: a fused norm + GEMM differs from add_rms_norm then skinny_matmul")
-        failed = True
-    return failed
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,19 +11,6 @@ which stays the oracle, with torch's rounding of 16-bit ops:
   sum ``s32``, rounded to the dtype;
 - ``out = weight * normed``: both upcast, multiplied in float32, rounded once.
 
-The sum of squares is computed exactly, whatever the order, so that another
-kernel reading the row in another order gets the same bits (the skinny
-GEMM's norm prologue, ``kernels/skinny_gemm.py``, reads it in chunks; a
-float32 ``tl.sum`` adds in an order set by the layout and ``num_warps``).
-Each square is scaled by the power of two that puts the row's largest in
-``[2^SUM_SHIFT, 2^(SUM_SHIFT + 1))`` and truncated to an int64 (dropping
-parts below ``2^-SUM_SHIFT`` of the largest, at most ``2^-31`` of the sum
-for ``MAX_HIDDEN`` terms: finer than the float32 rounding that follows),
-the int64s are summed exactly and the total is rounded once to float32.
-``exact_sum_squares`` (a whole row in registers) and its parts
-``square_scale``, ``quantize_squares`` and ``inv_rms`` (a row in chunks:
-its largest square first, then the quantised sum) are the shared code.
-
 Outputs are new contiguous tensors (torch.empty, so CUDA-graph capture works);
 inputs are never written and nothing is read back to the host.
 """
@@ -35,49 +22,6 @@ import triton
 import triton.language as tl
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HIDDEN = 1 << 15
-# MAX_HIDDEN quantised squares of at most 2^(SUM_SHIFT + 1) sum below 2^62
-SUM_SHIFT = tl.constexpr(46)
-
-
-@triton.jit
-def square_scale(max_sq):
-    """``(scale, 1 / scale)``: powers of two with ``max_sq * scale`` in
-    ``[2^SUM_SHIFT, 2^(SUM_SHIFT + 1))`` for the float32 scalar ``max_sq >= 0``;
-    below ``max_sq = 2^-80`` (squares far below any ``eps``) the scale stays at
-    ``2^126``, whose inverse is still a normal float32: zero and subnormals are safe."""
-    exponent = ((max_sq.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(max_sq))
-    shift = tl.minimum(SUM_SHIFT - exponent, 126)
-    scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
-    inv_scale = ((127 - shift) << 23).to(tl.float32, bitcast=True)
-    return scale, inv_scale
-
-
-@triton.jit
-def quantize_squares(sq, scale):
-    """Squares (float32) on the fixed-point grid of ``square_scale``: the product
-    is exact (a power of two), the truncation drops only the part below 1."""
-    # the cap changes only an infinite square (a float32 overflow): the variance
-    # then still overflows to inf and the output is 0, as in torch's float32
-    return tl.minimum(sq * scale, 2.0 ** (SUM_SHIFT + 1)).to(tl.int64)
-
-
-@triton.jit
-def inv_rms(total, inv_scale, num_terms, eps):
-    """``1 / sqrt(sum / num_terms + eps)`` from the exact int64 ``total`` of
-    ``quantize_squares``; ``num_terms`` (the hidden size) a float32 scalar."""
-    sum_sq = total.to(tl.float32) * inv_scale  # the one rounding of the sum; exact scaling
-    variance = tl.div_rn(sum_sq, num_terms)
-    # correctly rounded sqrt and division: one scalar per row, so precision is free
-    return tl.div_rn(1.0, tl.sqrt_rn(variance + eps))
-
-
-@triton.jit
-def exact_sum_squares(x32):
-    """``(total, inv_scale)`` of a whole row ``x32`` (float32, padding zero) for ``inv_rms``."""
-    sq = x32 * x32
-    scale, inv_scale = square_scale(tl.max(sq, axis=0))
-    return tl.sum(quantize_squares(sq, scale), axis=0), inv_scale
 
 
 @triton.jit
@@ -108,9 +52,10 @@ def rms_norm_kernel(
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(summed_ptr + out_offset, x, mask=mask)
     x32 = x.to(tl.float32)
-    total, inv_scale = exact_sum_squares(x32)
-    rstd = inv_rms(total, inv_scale, tl.full((), HIDDEN, tl.float32), eps)
-    normed = (x32 * rstd).to(x_ptr.dtype.element_ty)
+    variance = tl.sum(x32 * x32, axis=0) / HIDDEN
+    # correctly rounded sqrt and division: one scalar per row, so precision is free
+    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(variance + eps))
+    normed = (x32 * inv_rms).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + dims, mask=mask, other=0.0)
     out = weight.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + out_offset, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -148,8 +93,6 @@ def _launch(
             f"weight: {weight.dtype} of shape {tuple(weight.shape)}, strides {weight.stride()}; "
             f"expected a contiguous [hidden] tensor of one of {DTYPES}"
         )
-    if weight.shape[0] > MAX_HIDDEN:
-        raise ValueError(f"weight: hidden size {weight.shape[0]}; at most MAX_HIDDEN={MAX_HIDDEN}")
     _check("x", x, weight)
     if residual is not None:
         _check("residual", residual, weight)

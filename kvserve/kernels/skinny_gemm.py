@@ -32,22 +32,6 @@ With ``GATED`` the input is ``silu(gate) * up`` of a ``[M, 2K]`` gate-and-up
 product, computed in registers as each chunk is loaded (the down projection
 of an MLP without the separate SiLU-and-mul kernel).
 
-With ``NORMED`` (one row, FMA; ``skinny_norm_matmul``) the input is the
-RMSNorm of ``h = x + residual`` (or of ``x``): the residual add and RMSNorm
-before a projection, fused in as a prologue. Every program needs the whole
-normalised row, so every program recomputes it, reading ``x`` and
-``residual`` (16 KB at hidden 4096) three times, from L2 or L1 after the
-first program, beside the 64 KB of weights (8 rows of 4096) it streams
-from HBM: a first pass over K finds the largest ``h²`` (and program 0
-writes ``h``, the next residual, into a new tensor; ``x`` and ``residual``
-are never written, the other programs still read them), a second sums the
-squares exactly with the shared code of ``kernels/rms_norm.py`` (exact, so
-its chunked order gives ``add_rms_norm``'s bits), and the K loop normalises
-each chunk of ``h`` as it loads it, with ``add_rms_norm``'s roundings: the
-product equals that kernel followed by this one, bit for bit. The norm's
-arguments come last and every ``NORMED`` line is behind the constexpr, so
-the other forms compile to the code they had before.
-
 Rounding is cuBLAS's: products and sums in float32, the bias added in
 float32, one rounding to the output dtype. ``default_config(m, n, k)`` is a
 fixed heuristic (no autotuning, which would time candidates at start-up and
@@ -63,8 +47,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from kvserve.kernels.rms_norm import MAX_HIDDEN, inv_rms, quantize_squares, square_scale
 
 DTYPES = (torch.bfloat16, torch.float16)
 SKINNY_MAX_M = 16
@@ -102,58 +84,6 @@ class SkinnyConfig:
             )
 
 
-@triton.jit
-def summed_chunk(x_ptr, residual_ptr, offs, K, EVEN_K: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr):
-    """``x + residual`` (or ``x``) of one row at columns ``offs``, rounded as
-    ``add_rms_norm`` rounds it: added in float32, rounded once."""
-    if EVEN_K:
-        h = tl.load(x_ptr + offs)
-        if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + offs)
-    else:
-        h = tl.load(x_ptr + offs, mask=offs < K, other=0.0)
-        if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + offs, mask=offs < K, other=0.0)
-    if HAS_RESIDUAL:
-        h = (h.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    return h
-
-
-@triton.jit
-def row_inv_rms(x_ptr, residual_ptr, summed_ptr, eps, K, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """The norm prologue: ``1 / rms(h)`` of the one row, ``h`` written to
-    ``summed_ptr`` by program 0; ``add_rms_norm``'s exact sum of squares."""
-    offs = tl.arange(0, BLOCK_K)[None, :]
-    max_sq = tl.zeros((1, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        h = summed_chunk(x_ptr, residual_ptr, k + offs, K, EVEN_K, HAS_RESIDUAL)
-        if HAS_RESIDUAL and tl.program_id(0) == 0:
-            tl.store(summed_ptr + k + offs, h, mask=k + offs < K)
-        h32 = h.to(tl.float32)
-        max_sq = tl.maximum(max_sq, h32 * h32)
-    scale, inv_scale = square_scale(tl.max(max_sq))
-    total = tl.zeros((1, BLOCK_K), dtype=tl.int64)
-    for k in range(0, K, BLOCK_K):
-        h32 = summed_chunk(x_ptr, residual_ptr, k + offs, K, EVEN_K, HAS_RESIDUAL).to(tl.float32)
-        total += quantize_squares(h32 * h32, scale)
-    return inv_rms(tl.sum(total), inv_scale, K * 1.0, eps)
-
-
-@triton.jit
-def normed_chunk(x_ptr, residual_ptr, norm_weight_ptr, offs, K, rstd, EVEN_K: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr):
-    """``norm_weight * (h * rstd)`` at columns ``offs``, ``add_rms_norm``'s output."""
-    h = summed_chunk(x_ptr, residual_ptr, offs, K, EVEN_K, HAS_RESIDUAL)
-    if EVEN_K:
-        norm_weight = tl.load(norm_weight_ptr + offs)
-    else:
-        norm_weight = tl.load(norm_weight_ptr + offs, mask=offs < K, other=0.0)
-    normed = (h.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
-    return (norm_weight.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
-
-
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count of a BLOCK_M
 def skinny_matmul_kernel(
     x_ptr,  # [M, K] ([M, 2K] gate | up when GATED), row stride stride_xm, unit last stride
@@ -164,11 +94,6 @@ def skinny_matmul_kernel(
     N,
     K,
     stride_xm,
-    # last, so the plain kernel's parameters keep their offsets (and its code)
-    residual_ptr,  # [1, K] unit stride, read only when NORMED and HAS_RESIDUAL
-    norm_weight_ptr,  # [K] contiguous, read only when NORMED
-    summed_ptr,  # [1, K] contiguous, x + residual, written only when NORMED and HAS_RESIDUAL
-    eps,  # the norm's, read only when NORMED
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -177,8 +102,6 @@ def skinny_matmul_kernel(
     USE_DOT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     GATED: tl.constexpr,  # x = silu(gate) * up, computed from gate_up as it is loaded
-    NORMED: tl.constexpr,  # x = rmsnorm(x + residual) of one row, computed as it is loaded
-    HAS_RESIDUAL: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     rows = tl.arange(0, BLOCK_M)  # rows of x and of the output
@@ -194,24 +117,18 @@ def skinny_matmul_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if NORMED:
-        tl.static_assert(BLOCK_M == 1 and not USE_DOT and not GATED)
-        rstd = row_inv_rms(x_ptr, residual_ptr, summed_ptr, eps, K, BLOCK_K, EVEN_K, HAS_RESIDUAL)
     for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             w = tl.load(w_ptrs + k)
-            chunk_mask = x_mask
+            x = tl.load(x_ptrs + k, mask=x_mask, other=0.0)
+            if GATED:
+                up = tl.load(x_ptrs + K + k, mask=x_mask, other=0.0)
         else:
             k_mask = (ks + k < K)[None, :]
             w = tl.load(w_ptrs + k, mask=k_mask, other=0.0)
-            chunk_mask = x_mask & k_mask
-        if NORMED:
-            x = normed_chunk(x_ptr, residual_ptr, norm_weight_ptr, k + ks[None, :], K, rstd,
-                             EVEN_K, HAS_RESIDUAL)
-        else:
-            x = tl.load(x_ptrs + k, mask=chunk_mask, other=0.0)
-        if GATED:
-            up = tl.load(x_ptrs + K + k, mask=chunk_mask, other=0.0)
+            x = tl.load(x_ptrs + k, mask=x_mask & k_mask, other=0.0)
+            if GATED:
+                up = tl.load(x_ptrs + K + k, mask=x_mask & k_mask, other=0.0)
         if GATED:  # kernels/activation.py's rounding: silu rounded, then the product
             gate = x.to(tl.float32)
             silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
@@ -299,39 +216,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gat
                          f"expected a contiguous [N={weight.shape[0]}] tensor")
 
 
-def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-    config: SkinnyConfig | None, gated: bool = False, residual: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    m, (n, k) = x.shape[0], weight.shape
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    summed = None if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
-    if n == 0:
-        return out, summed
-    if config is None:
-        config = default_config(m, n, k, _num_sms(x.device))
-    skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, weight if bias is None else bias, out,
-        m, n, k, x.stride(0),
-        x if residual is None else residual, weight if norm_weight is None else norm_weight,
-        out if summed is None else summed, eps,
-        BLOCK_M=DOT_BLOCK_M if config.use_dot else triton.next_power_of_2(m),
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        EVEN_K=k % config.block_k == 0,
-        HAS_BIAS=bias is not None,
-        USE_DOT=config.use_dot,
-        NUM_STAGES=config.num_stages,
-        GATED=gated,
-        NORMED=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    return out, summed
-
-
 def skinny_matmul(
     x: torch.Tensor,  # [M, K] ([M, 2K] when gated), 1 <= M <= SKINNY_MAX_M, unit last stride
     weight: torch.Tensor,  # [N, K] contiguous, x's dtype
@@ -347,63 +231,24 @@ def skinny_matmul(
     first), one launch instead of two.
     """
     _check(x, weight, bias, gated)
-    out, _ = _launch(x, weight, bias, config, gated)
+    m, (n, k) = x.shape[0], weight.shape
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    if config is None:
+        config = default_config(m, n, k, _num_sms(x.device))
+    skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, weight if bias is None else bias, out,
+        m, n, k, x.stride(0),
+        BLOCK_M=DOT_BLOCK_M if config.use_dot else triton.next_power_of_2(m),
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        EVEN_K=k % config.block_k == 0,
+        HAS_BIAS=bias is not None,
+        USE_DOT=config.use_dot,
+        NUM_STAGES=config.num_stages,
+        GATED=gated,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     return out
-
-
-def skinny_norm_supported(x: torch.Tensor, residual: torch.Tensor | None,
-                          norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the layers send ``rmsnorm(x (+ residual)) @ weight.T`` here: what
-    ``skinny_supported`` takes, one row, and a norm of ``x``'s size and dtype."""
-    k = weight.shape[-1]
-    return (skinny_supported(x, weight) and x.shape == (1, k) and weight.shape[0] >= 1
-            and k <= MAX_HIDDEN and norm_weight.shape == (k,) and norm_weight.is_contiguous()
-            and norm_weight.dtype == x.dtype
-            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
-                                      and residual.stride(1) == 1)))
-
-
-def _check_normed(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                  weight: torch.Tensor, config: SkinnyConfig | None) -> None:
-    if x.shape[0] != 1:
-        raise ValueError(f"x: shape {tuple(x.shape)}; the norm prologue takes one row")
-    if weight.shape[0] == 0:
-        raise ValueError("weight: no rows; program 0 writes the residual, so N must be >= 1")
-    k = weight.shape[1]
-    if k > MAX_HIDDEN:
-        raise ValueError(f"weight: K={k} columns; the norm takes at most MAX_HIDDEN={MAX_HIDDEN}")
-    if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
-        raise ValueError(f"norm_weight: shape {tuple(norm_weight.shape)}, strides "
-                         f"{norm_weight.stride()}; expected a contiguous [K={k}] tensor")
-    tensors = [("norm_weight", norm_weight)]
-    if residual is not None:
-        if residual.shape != x.shape or residual.stride(1) != 1:
-            raise ValueError(f"residual: shape {tuple(residual.shape)}, strides "
-                             f"{residual.stride()}; expected x's shape {tuple(x.shape)} "
-                             "and a unit last stride")
-        tensors.append(("residual", residual))
-    for name, tensor in tensors:
-        if tensor.dtype != x.dtype or tensor.device != x.device:
-            raise ValueError(f"{name}: {tensor.dtype} on {tensor.device}; expected "
-                             f"{x.dtype} on {x.device} (x's)")
-    if config is not None and config.use_dot:
-        raise ValueError("config: use_dot; the norm prologue runs with FMA only")
-
-
-def skinny_norm_matmul(
-    x: torch.Tensor,  # [1, K], unit last stride
-    residual: torch.Tensor | None,  # [1, K], x's dtype, unit last stride
-    norm_weight: torch.Tensor,  # [K] contiguous, x's dtype
-    eps: float,
-    weight: torch.Tensor,  # [N, K] contiguous, x's dtype, N >= 1
-    bias: torch.Tensor | None = None,  # [N] contiguous, x's dtype
-    config: SkinnyConfig | None = None,  # default_config(1, N, K) when None; FMA only
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # out [1, N], summed [1, K] (None without residual)
-    """``normed, summed = add_rms_norm(x, residual, norm_weight, eps)`` (or
-    ``normed = rms_norm(x, norm_weight, eps)`` without ``residual``), then
-    ``skinny_matmul(normed, weight, bias)``, in one launch: the same bits, both
-    outputs new tensors, ``x`` and ``residual`` untouched.
-    """
-    _check(x, weight, bias, gated=False)
-    _check_normed(x, residual, norm_weight, weight, config)
-    return _launch(x, weight, bias, config, residual=residual, norm_weight=norm_weight, eps=eps)

@@ -14,10 +14,8 @@ Quantized weights and TP communication are not handled here.
 With ``use_triton`` (see ``layers/custom_ops.py``) a one-row forward in 16
 bits, a batch-1 decode step's, runs the skinny GEMM of
 ``kernels/skinny_gemm.py`` (imported only then), the down projection with
-the SiLU gate fused in (``forward_gated``), a projection after an RMSNorm
-with the residual add and the norm fused in (``norm_and_project``); every
-other input, and every input without the flag, runs ``F.linear``, the
-oracle.
+the SiLU gate fused in (``forward_gated``); every other input, and every
+input without the flag, runs ``F.linear``, the oracle.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.layers.activation import SiluAndMul
-from kvserve.layers.norm import RMSNorm
 
 ShardId = str | int | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
@@ -187,29 +184,3 @@ class MergedColumnLinear(_PackedColumnLinear):
         self.output_sizes = list(output_sizes)
         sizes: dict[str | int, int] = dict(enumerate(output_sizes))
         super().__init__(input_size, sizes, bias)
-
-
-def norm_and_project(
-    layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(layer(hidden), residual)`` for ``hidden, residual = norm(x, residual)``;
-    without ``residual``, ``(layer(norm(x)), x)``: ``x`` is the next residual,
-    as in a first decoder layer.
-
-    When ``layer`` is a ``Linear`` with ``use_triton`` on, as is ``norm``, a
-    one-row 16-bit input runs the skinny GEMM with the residual add and the
-    norm in its prologue: one kernel instead of two, the same bits as the two
-    (the new residual is a new tensor; ``x`` and ``residual`` are not
-    written). Any other layer (a LoRA wrapper) or input runs the two.
-    """
-    if isinstance(layer, Linear) and layer.use_triton and norm.use_triton:
-        from kvserve.kernels.skinny_gemm import skinny_norm_matmul, skinny_norm_supported
-
-        if skinny_norm_supported(x, residual, norm.weight, layer.weight):
-            out, summed = skinny_norm_matmul(x, residual, norm.weight, norm.eps,
-                                             layer.weight, layer.bias)
-            return out, x if summed is None else summed
-    if residual is None:
-        return layer(norm(x)), x
-    hidden, residual = norm(x, residual)
-    return layer(hidden), residual

@@ -7,8 +7,6 @@ The arithmetic follows Hugging Face's LlamaRMSNorm: statistics in float32,
 cast back to the input dtype before the weight multiply. With ``use_triton``
 (see ``layers/custom_ops.py``) both forms run the Triton kernels of
 ``kernels/rms_norm.py``, imported only then; the torch code stays the oracle.
-A projection right after the norm can take the residual add and the norm
-into its one-row GEMM instead (``layers/linear.py: norm_and_project``).
 """
 
 from __future__ import annotations

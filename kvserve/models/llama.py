@@ -30,7 +30,6 @@ from kvserve.layers.linear import (
     RowLinear,
     ShardId,
     get_weight_loader,
-    norm_and_project,
 )
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
@@ -38,11 +37,7 @@ from kvserve.models.registry import CausalLM
 
 
 class LlamaMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up in one matmul.
-
-    The decoder layer runs ``gate_up_proj`` itself, with the norm before it
-    (``norm_and_project``); ``forward`` takes its output.
-    """
+    """``down(silu(gate(x)) * up(x))`` with gate and up in one matmul."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -52,19 +47,15 @@ class LlamaMLP(nn.Module):
         self.act_fn = get_act_and_mul(str(config.hf_config.get("hidden_act", "silu")))
         self.down_proj = RowLinear(size, config.hidden_size, bias=bias)
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        # gate_up: [num_tokens, 2 * intermediate_size]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
         if isinstance(self.down_proj, Linear):  # not when a LoRA wrapper replaced it
             return self.down_proj.forward_gated(gate_up, self.act_fn)
         return self.down_proj(self.act_fn(gate_up))
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention block: packed qkv, rope, paged attention, output projection.
-
-    The decoder layer runs ``qkv_proj`` itself, with the norm before it
-    (``norm_and_project``); ``forward`` takes its output.
-    """
+    """Self-attention block: packed qkv, rope, paged attention, output projection."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
@@ -90,11 +81,10 @@ class LlamaAttention(nn.Module):
         return q, k
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-        metadata: AttentionMetadata,
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
+        # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        qkv = self.qkv_proj(hidden_states)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -121,13 +111,14 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden_states: torch.Tensor,
         residual: torch.Tensor | None, metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # each norm runs with the projection after it: one kernel at batch 1
-        qkv, residual = norm_and_project(self.self_attn.qkv_proj, hidden_states, residual,
-                                         self.input_layernorm)
-        hidden_states = self.self_attn(positions, qkv, metadata)
-        gate_up, residual = norm_and_project(self.mlp.gate_up_proj, hidden_states, residual,
-                                             self.post_attention_layernorm)
-        return self.mlp(gate_up), residual
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):

@@ -9,15 +9,11 @@ compiled kernels round to nearest even, so this checks the rounding
 semantics). The skinny GEMM, which sums in another order than cuBLAS, is
 held to the relative error alone, against ``F.linear`` in float32, for 1 to
 16 rows on Llama-3-8B's five projection shapes and odd ones, with its
-default and alternative configurations; with the residual add and RMSNorm
-as its prologue (one row; qkv and gate_up shapes, odd ones, outlier
-features), bit-equal to ``add_rms_norm`` (or ``rms_norm``) then the plain
-GEMM, as ``norm_and_project`` is to the norm then the projection.
-Then the kernels captured in a CUDA graph and replayed on new inputs, and a
-tiny Qwen3's hidden states and logits with ``set_triton_ops`` on and off
-over a 10-token step and a one-row decode (float32: within 1e-4; bfloat16,
-where every linear of the one-row step takes the skinny GEMM: no farther
-from float32 than torch's).
+default and alternative configurations. Then the kernels captured in a CUDA
+graph and replayed on new inputs, and a tiny Qwen3's hidden states and
+logits with ``set_triton_ops`` on and off over a 10-token step and a
+one-row decode (float32: within 1e-4; bfloat16, where every linear of the
+one-row step takes the skinny GEMM: no farther from float32 than torch's).
 
 Kernel modules are imported inside the tests, so collecting this file on a
 CPU machine never decorates them before the CPU interpreter tests switch the
@@ -191,74 +187,6 @@ def test_gated_skinny_matmul_is_silu_and_mul_then_matmul(dtype: torch.dtype) -> 
     check_linear(fused, SiluAndMul()(gate_up), weight.float(), None)
 
 
-# (N, K) after a norm: qkv and gate_up of Llama-3-8B, then sizes no block divides
-NORMED_SHAPES = [(6144, 4096), (28672, 4096), (1000, 4000), (333, 1027)]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("n,k", NORMED_SHAPES, ids=[f"{n}x{k}" for n, k in NORMED_SHAPES])
-@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
-def test_normed_skinny_matmul_is_add_rms_norm_then_matmul(dtype: torch.dtype, n: int, k: int,
-                                                          with_residual: bool) -> None:
-    from kvserve.kernels.rms_norm import add_rms_norm, rms_norm
-    from kvserve.kernels.skinny_gemm import skinny_matmul, skinny_norm_matmul
-
-    norm = make_norm(k, dtype)
-    weight = randn(n, k, dtype=dtype, scale=0.02)
-    bias = randn(n, dtype=dtype)
-    x = randn(1, k, dtype=dtype)
-    x[0, ::97] = 300.0  # a few outlier features, as real hidden states have
-    residual = randn(1, k, dtype=dtype, scale=10.0)
-    x_before, residual_before = x.clone(), residual.clone()
-    for b in (None, bias):
-        out, summed = skinny_norm_matmul(x, residual if with_residual else None, norm.weight,
-                                         norm.eps, weight, b)
-        if with_residual:
-            normed, h = add_rms_norm(x, residual, norm.weight, norm.eps)
-            assert summed is not None and torch.equal(summed, h)
-        else:
-            normed = rms_norm(x, norm.weight, norm.eps)
-            assert summed is None
-        assert torch.equal(out, skinny_matmul(normed, weight, b))
-        # against float32 throughout: the add, the norm and the product
-        h32 = x.float() + residual.float() if with_residual else x.float()
-        normed32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + norm.eps)
-        ref = F.linear(normed32 * norm.weight.float(), weight.float(),
-                       None if b is None else b.float())
-        assert rel_error(out.float(), ref) < MAX_ERROR
-    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
-
-
-def test_norm_and_project_on_llama_qkv() -> None:
-    from kvserve.kernels import skinny_gemm
-    from kvserve.layers.linear import QKVLinear, norm_and_project
-
-    dtype = torch.bfloat16
-    qkv = QKVLinear(HIDDEN, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS).cuda().to(dtype)
-    with torch.no_grad():
-        qkv.weight.copy_(randn(*qkv.weight.shape, dtype=dtype, scale=0.02))
-    norm = make_norm(HIDDEN, dtype)
-    set_triton_ops(torch.nn.ModuleList([qkv, norm]), True)
-    calls: list[int] = []
-    fused = skinny_gemm.skinny_norm_matmul
-
-    def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        calls.append(x.shape[0])
-        return fused(x, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(skinny_gemm, "skinny_norm_matmul", counted)
-        for m in (1, 4):  # one row fused; four fall back to the norm kernel, then cuBLAS
-            x = randn(m, HIDDEN, dtype=dtype)
-            residual = randn(m, HIDDEN, dtype=dtype, scale=10.0)
-            out, new_residual = norm_and_project(qkv, x, residual, norm)
-            hidden, ref_residual = norm(x, residual)
-            assert torch.equal(out, qkv(hidden)) and torch.equal(new_residual, ref_residual)
-            out, same = norm_and_project(qkv, x, None, norm)
-            assert same is x and torch.equal(out, qkv(norm(x)))
-    assert calls == [1, 1]
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 4000)], ids=["4096x4096", "1000x4000"])
 def test_skinny_matmul_configs(dtype: torch.dtype, n: int, k: int) -> None:
@@ -282,7 +210,7 @@ def test_kernels_replay_in_a_cuda_graph() -> None:
     from kvserve.kernels.activation import silu_and_mul
     from kvserve.kernels.rms_norm import add_rms_norm
     from kvserve.kernels.rotary import apply_rotary
-    from kvserve.kernels.skinny_gemm import skinny_matmul, skinny_norm_matmul
+    from kvserve.kernels.skinny_gemm import skinny_matmul
 
     dtype, num_tokens = torch.bfloat16, 64
     weight = make_norm(HIDDEN, dtype).weight
@@ -295,11 +223,8 @@ def test_kernels_replay_in_a_cuda_graph() -> None:
 
     def step() -> tuple[torch.Tensor, ...]:
         apply_rotary(positions, q, k, rope.cos_sin_cache, HEAD_DIM, HEAD_DIM)
-        normed_out, normed_summed = skinny_norm_matmul(x[:1], residual[:1], weight, 1e-5, o_proj)
-        assert normed_summed is not None
         return (*add_rms_norm(x, residual, weight, 1e-5), silu_and_mul(gate_up),
-                skinny_matmul(x[:1], o_proj), skinny_matmul(x[:16], o_proj),
-                normed_out, normed_summed)
+                skinny_matmul(x[:1], o_proj), skinny_matmul(x[:16], o_proj))
 
     qkv_input = qkv.clone()
     step()  # compile outside the capture

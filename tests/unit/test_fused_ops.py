@@ -15,11 +15,6 @@ the Triton backend, the torch reference backend. Then the skinny GEMM
 (``Linear`` / ``LMHead`` with ``use_triton``) against ``F.linear`` in
 float32 rounded once, on sizes that no block size divides, and which inputs
 its switch sends to it (one row).
-With the residual add and RMSNorm as its prologue (``skinny_norm_matmul``,
-``norm_and_project``) it must give the bits of ``add_rms_norm`` (or
-``rms_norm``) followed by the plain GEMM, the new residual in a new tensor
-and its inputs untouched, also on rows whose squares underflow or overflow
-(the exact sum of squares both kernels share); more rows fall back.
 Then whole tiny models: hidden states and logits of a 10-token step and a
 one-row decode with ``set_triton_ops`` on and off, in float32 (the linears
 keep ``F.linear``) and float16 (the one-row step's take the kernel); and,
@@ -64,21 +59,20 @@ from kvserve.attention.torch_ref import write_kv
 from kvserve.config import ModelConfig
 from kvserve.kernels import rotary, skinny_gemm
 from kvserve.kernels.activation import silu_and_mul
-from kvserve.kernels.rms_norm import MAX_HIDDEN, add_rms_norm, rms_norm
+from kvserve.kernels.rms_norm import add_rms_norm, rms_norm
 from kvserve.kernels.rope_store_kv import rope_store_kv
 from kvserve.kernels.rotary import apply_rotary
 from kvserve.kernels.skinny_gemm import (
     SkinnyConfig,
     default_config,
     skinny_matmul,
-    skinny_norm_matmul,
 )
 from kvserve.kernels.store_kv import store_kv
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.attention import bind_kv_cache
 from kvserve.layers.custom_ops import set_triton_ops
 from kvserve.layers.embedding import LMHead
-from kvserve.layers.linear import Linear, QKVLinear, norm_and_project
+from kvserve.layers.linear import Linear, QKVLinear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.lora.layers import LoRABatch, LoRALinear
@@ -545,151 +539,6 @@ def test_down_projection_fuses_the_silu_gate(monkeypatch: pytest.MonkeyPatch) ->
     assert calls == [1, 1]
 
 
-# (N, K, config): K not a multiple of the block (last chunk masked) or of 512,
-# N not a multiple of 8; 16 x 1024 the default config's unmasked path
-NORMED_CASES = [(SKINNY_N, SKINNY_K, "default"), (SKINNY_N, SKINNY_K, "fma"),
-                (SKINNY_N, SKINNY_K, "fma-even-k"), (37, 1100, "default"), (16, 1024, "default")]
-
-
-def norm_inputs(
-    n: int, k: int, dtype: torch.dtype, seed: int, with_bias: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``x`` (a row of a wider buffer), ``residual``, the norm's weight, ``W``, ``bias``."""
-    x = randn(1, k + 24, dtype=dtype, seed=seed)[:, 24:]
-    residual = randn(1, k, dtype=dtype, seed=seed + 1, scale=4.0)
-    weight = randn(n, k, dtype=dtype, seed=seed + 2, scale=0.1)
-    bias = randn(n, dtype=dtype, seed=seed + 3) if with_bias else None
-    return x, residual, make_norm(k, dtype, seed + 4).weight.data, weight, bias
-
-
-def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                    weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The residual add, RMSNorm and ``F.linear`` in float32, rounded once at the end."""
-    h = x.float() if residual is None else x.float() + residual.float()
-    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight.float()
-    return linear_ref(normed, weight.float(), bias).to(x.dtype)
-
-
-@pytest.mark.parametrize("n,k,config_name", NORMED_CASES,
-                         ids=[f"{n}x{k}-{c}" for n, k, c in NORMED_CASES])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
-@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
-def test_normed_skinny_matmul_equals_add_rms_norm_then_matmul(
-    n: int, k: int, config_name: str, dtype: torch.dtype, with_residual: bool, with_bias: bool,
-) -> None:
-    config = SKINNY_CONFIGS[config_name]
-    x, residual, norm_weight, weight, bias = norm_inputs(n, k, dtype, seed=n + k,
-                                                         with_bias=with_bias)
-    x_before, residual_before = x.clone(), residual.clone()
-    out, summed = skinny_norm_matmul(x, residual if with_residual else None, norm_weight, 1e-6,
-                                     weight, bias, config)
-    # the same bits as the norm kernel followed by the GEMM (outputs are NaN-poisoned)
-    if with_residual:
-        normed, ref_summed = add_rms_norm(x, residual, norm_weight, 1e-6)
-        assert summed is not None and torch.equal(summed, ref_summed)
-        assert summed.data_ptr() not in (x.data_ptr(), residual.data_ptr())
-    else:
-        normed = rms_norm(x, norm_weight, 1e-6)
-        assert summed is None
-    assert torch.equal(out, skinny_matmul(normed, weight, bias, config))
-    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
-    if dtype == torch.float16:  # the interpreter truncates to bfloat16: tests/gpu checks it
-        assert_close_linear(out, norm_linear_ref(x, residual if with_residual else None,
-                                                 norm_weight, weight, bias))
-
-
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the inf squares
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_rms_norm_exact_sum_of_squares_on_extreme_rows(dtype: torch.dtype) -> None:
-    # squares that underflow, overflow float32 (torch: variance inf, output 0; float16
-    # cannot get there, so its largest values), a zero row, and a row of tiny values
-    # beside a few large ones
-    hidden = 200
-    rows = randn(5, hidden, dtype=torch.float32, seed=50)
-    rows[0] *= 1e-30
-    rows[1] *= 1e4 if dtype == torch.float16 else 1e25
-    rows[2] = 0.0
-    rows[3] *= 1e-4
-    rows[3, ::50] = 1e3
-    rows = rows.to(dtype)
-    norm = make_norm(hidden, dtype, seed=51)
-    out, ref = run_both(norm, rows)
-    assert_matches(out, ref)
-    if dtype != torch.float32:  # the fused prologue gets the same bits on every row
-        weight = randn(24, hidden, dtype=dtype, seed=52, scale=0.1)
-        for row in rows.split(1):
-            fused, _ = skinny_norm_matmul(row, None, norm.weight, norm.eps, weight)
-            assert torch.equal(fused, skinny_matmul(rms_norm(row, norm.weight, norm.eps), weight))
-
-
-def count_norm_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Patch ``skinny_norm_matmul`` to record the row count of each call."""
-    calls: list[int] = []
-
-    def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        calls.append(x.shape[0])
-        return skinny_norm_matmul(x, *args, **kwargs)
-
-    monkeypatch.setattr(skinny_gemm, "skinny_norm_matmul", counted)
-    return calls
-
-
-def test_norm_and_project_fuses_the_norm_into_one_row_projections(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    calls = count_norm_calls(monkeypatch)
-    dtype = torch.float16
-    qkv = QKVLinear(SKINNY_K, head_dim=8, num_heads=3, num_kv_heads=1, bias=True).to(dtype)
-    assert qkv.bias is not None
-    with torch.no_grad():
-        qkv.weight.copy_(randn(SKINNY_N, SKINNY_K, dtype=dtype, seed=60, scale=0.1))
-        qkv.bias.copy_(randn(SKINNY_N, dtype=dtype, seed=61))
-    norm = make_norm(SKINNY_K, dtype, seed=62)
-
-    def check(m: int, seed: int) -> None:
-        """``norm_and_project`` equals the norm then the projection, bit for bit."""
-        x = randn(m, SKINNY_K, dtype=dtype, seed=seed)
-        residual = randn(m, SKINNY_K, dtype=dtype, seed=seed + 1, scale=4.0)
-        out, new_residual = norm_and_project(qkv, x, residual, norm)
-        hidden, ref_residual = norm(x, residual)
-        assert torch.equal(out, qkv(hidden)) and torch.equal(new_residual, ref_residual)
-        out, same = norm_and_project(qkv, x, None, norm)  # a first layer: x is the residual
-        assert same is x and torch.equal(out, qkv(norm(x)))
-
-    assert set_triton_ops(torch.nn.ModuleList([qkv, norm]), True) == 2
-    check(1, seed=63)
-    assert calls == [1, 1]  # with and without the residual
-    check(3, seed=65)  # three rows: the norm kernel, then F.linear
-    assert calls == [1, 1]
-    set_triton_ops(norm, False)  # the torch norm, then the skinny GEMM
-    check(1, seed=67)
-    set_triton_ops(torch.nn.ModuleList([qkv, norm]), False)
-    check(1, seed=69)
-    assert calls == [1, 1]
-
-
-def test_normed_skinny_matmul_rejects_bad_inputs() -> None:
-    x, residual, norm_weight, weight, _ = norm_inputs(SKINNY_N, SKINNY_K, torch.float16, seed=70)
-    with pytest.raises(ValueError, match=r"x: shape \(2, 80\); the norm prologue takes one row"):
-        skinny_norm_matmul(x.expand(2, -1), None, norm_weight, 1e-6, weight)
-    with pytest.raises(ValueError, match="residual: shape"):
-        skinny_norm_matmul(x, residual[:, :-1], norm_weight, 1e-6, weight)
-    with pytest.raises(ValueError, match=r"residual: torch\.bfloat16"):
-        skinny_norm_matmul(x, residual.bfloat16(), norm_weight, 1e-6, weight)
-    with pytest.raises(ValueError, match=r"norm_weight: shape \(79,\)"):
-        skinny_norm_matmul(x, residual, norm_weight[1:], 1e-6, weight)
-    with pytest.raises(ValueError, match=r"norm_weight: torch\.float32"):
-        skinny_norm_matmul(x, residual, norm_weight.float(), 1e-6, weight)
-    with pytest.raises(ValueError, match="N must be >= 1"):
-        skinny_norm_matmul(x, residual, norm_weight, 1e-6, weight[:0])
-    with pytest.raises(ValueError, match="FMA only"):
-        skinny_norm_matmul(x, residual, norm_weight, 1e-6, weight, None, SKINNY_CONFIGS["dot"])
-    big = torch.ones(1, MAX_HIDDEN + 1, dtype=torch.float16)
-    with pytest.raises(ValueError, match="MAX_HIDDEN"):
-        skinny_norm_matmul(big, None, big[0], 1e-6, big)
-
-
 def test_skinny_default_config_fills_the_card() -> None:
     # Llama-3-8B's projections: a program for every SM at least, K chunks that divide K
     for m in (1, 2, 16):
@@ -860,7 +709,6 @@ def test_model_hidden_states_match_with_triton_ops(
     dtype: torch.dtype, max_error: float, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls = count_skinny_calls(monkeypatch)
-    normed_calls = count_norm_calls(monkeypatch)
     config, model_path = resolve_model_config(str(tiny_checkpoint(variant)))
     model = load_model(config, model_path, "auto", dtype, torch.device("cpu"))
     assert not any(getattr(m, "use_triton", False) for m in model.modules())  # off by default
@@ -868,11 +716,8 @@ def test_model_hidden_states_match_with_triton_ops(
     for enabled in (False, True):
         assert set_triton_ops(model, enabled) == expected_count
         outputs[enabled] = model_steps(model, config, dtype, "torch")[:4]
-    # the one-row step: every linear and the head take the skinny GEMM in 16 bits, qkv and
-    # gate_up with the norm before them in its prologue
-    fp16 = dtype == torch.float16
-    assert calls == ([1] * (2 * config.num_layers + 1) if fp16 else [])
-    assert normed_calls == ([1] * (2 * config.num_layers) if fp16 else [])
+    # the one-row step: every linear and the head take the skinny GEMM in 16 bits
+    assert calls == ([1] * (4 * config.num_layers + 1) if dtype == torch.float16 else [])
     for out, ref in zip(outputs[True], outputs[False], strict=True):
         error = ((out - ref).norm() / ref.norm()).item()
         assert error < max_error, f"relative error {error:.2e}"
