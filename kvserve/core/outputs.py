@@ -77,6 +77,10 @@ class ModelRunnerOutput:
     # device time of the step, from its first to its last kernel; the rest of
     # the steps' wall time is time the device waited for the host
     device_s: float = 0.0
+    # whether the step replayed a CUDA graph, and its padding tokens (tokens
+    # of the graph's size beyond the step's, each costing a token's matmuls)
+    graphed: bool = False
+    num_padding_tokens: int = 0
 
     def get(self) -> ModelRunnerOutput:
         """A finished output is its own pending one (see ``engine_core.PendingOutput``)."""

@@ -66,6 +66,8 @@ class EngineCore:
         self.last_step_s = time.monotonic()
         self.device_s = 0.0
         self.wait_s = 0.0  # time the host spent blocked on a step's output
+        self.num_graph_steps = 0  # steps that replayed a CUDA graph
+        self.num_padding_tokens = 0  # their tokens beyond the steps' own
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -101,6 +103,8 @@ class EngineCore:
             runner_output = reported_pending.get()
             self.wait_s += time.perf_counter() - start
             self.device_s += runner_output.device_s
+            self.num_graph_steps += runner_output.graphed
+            self.num_padding_tokens += runner_output.num_padding_tokens
             outputs += self.scheduler.update_from_output(reported_output, runner_output)
             self.num_steps += not reported_output.is_empty
         self.last_step_s = time.monotonic()
@@ -114,4 +118,6 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         return {**self.scheduler.stats(), "num_steps": self.num_steps,
+                "num_graph_steps": self.num_graph_steps,
+                "num_padding_tokens": self.num_padding_tokens,
                 "device_s": self.device_s, "wait_s": self.wait_s}

@@ -1,7 +1,7 @@
 """Paged attention kernels: causal attention of each request's new tokens over
 its whole context in the paged KV cache (cached prefix plus themselves).
 
-Three kernels, each beside its launcher:
+Two kernels, each beside its launcher:
 
 - ``prefill_attention_kernel`` handles any batch: prefills, chunked
   prefills, decodes and mixes of them. Grid ``(q_blocks, num_kv_heads)``:
@@ -15,19 +15,29 @@ Three kernels, each beside its launcher:
   start (or 0) up to the q-block's last position, with an online softmax in
   float32.
 - ``decode_attention_kernel`` handles steps where every request has one new
-  token (flash-decoding). Grid ``(num_reqs, num_kv_heads, num_splits)``: a
-  program owns one request's group of query heads of one KV head and one
-  contiguous slice of its context, and writes its partial max, sum and
-  unnormalised output; with one split it writes the normalised output
-  directly. Each request cuts its own context into equal slices, so the grid
-  depends on the batch size alone: a CUDA graph replays it for any context,
-  and an eager step of the same batch does exactly the same arithmetic.
-- ``decode_reduce_kernel`` merges the splits. Grid ``(num_reqs, num_heads)``.
+  token (flash-decoding) in one launch. Grid ``(num_reqs, num_kv_heads,
+  num_splits)``: a program owns one request's group of query heads of one KV
+  head and one contiguous slice of its context. With one split it writes the
+  normalised output directly. With several it writes its partial max, sum
+  and unnormalised output, then counts itself on the (request, KV head)'s
+  semaphore; the program that arrives last merges every used split of the
+  group, writes the output and resets the semaphore to 0 (split-K with a
+  semaphore: no second launch for the reduction). Each request cuts its own
+  context into equal slices, so the grid depends on the batch size alone: a
+  CUDA graph replays it for any context, and an eager step of the same batch
+  does exactly the same arithmetic.
 
 Scores are kept in base 2 (``scale * log2(e)`` folded into the scale) and
 every softmax statistic is float32. The kernels never allocate the cache
 nor read past a request's ``seq_len``: masked loads keep padded block-table
 entries (block 0, the null block) unread.
+
+The decode semaphores are this module's one piece of state: an int32
+buffer per device (``decode_semaphores``), zeroed once when allocated and
+left zeroed by every launch, so no call pays a memset. It only grows, and a
+buffer once handed out is never freed, because a CUDA graph keeps its
+address. Decode launches on one device must therefore not overlap in time
+(one stream, as the engine runs; programmatic dependent launch off).
 """
 
 from __future__ import annotations
@@ -185,15 +195,44 @@ def prefill_attention_kernel(
     )
 
 
+@triton.jit
+def _merge_splits(
+    out_row_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, first_stat_idx, num_splits,
+    useful_splits, first_head, stride_out_head,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Merge the used splits of ``GROUP`` consecutive query heads from the
+    partial results and write them normalised into one token's output row;
+    one head at a time, so a head's [SPLITS_PAD, HEAD_DIM_PAD] partial
+    outputs are the largest tile held."""
+    splits = tl.arange(0, SPLITS_PAD)
+    used = splits < useful_splits
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    for h in range(GROUP):
+        stat_idx = first_stat_idx + h * num_splits + splits  # [SPLITS_PAD]
+        m_split = tl.load(part_max_ptr + stat_idx, mask=used, other=NEG_BIG, volatile=True)
+        l_split = tl.load(part_sum_ptr + stat_idx, mask=used, other=0.0, volatile=True)
+        acc_split = tl.load(part_out_ptr + stat_idx[:, None] * HEAD_DIM + dims[None, :],
+                            mask=used[:, None] & dim_mask[None, :], other=0.0, volatile=True)
+        weight = tl.exp2(m_split - tl.max(m_split, 0))  # [SPLITS_PAD]
+        l_total = tl.sum(l_split * weight, 0)
+        acc = tl.sum(acc_split * weight[:, None], 0)  # [HEAD_DIM_PAD]
+        tl.store(out_row_ptr + (first_head + h) * stride_out_head + dims,
+                 (acc / l_total).to(out_row_ptr.dtype.element_ty), mask=dim_mask)
+
+
 @triton.jit(do_not_specialize=["sliding_window", "stride_bt"])
 def decode_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    out_ptr,  # [num_tokens, num_heads, head_dim], written when NUM_SPLITS_IS_ONE
+    out_ptr,  # [num_tokens, num_heads, head_dim]
     part_out_ptr,  # [num_reqs, num_heads, num_splits, head_dim] fp32, unnormalised
     part_max_ptr,  # [num_reqs, num_heads, num_splits] fp32, base-2 running max
     part_sum_ptr,  # [num_reqs, num_heads, num_splits] fp32
+    semaphore_ptr,  # [>= num_reqs * num_kv_heads] int32, zero between launches
     query_start_loc_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
     block_table_ptr,  # [num_reqs, max_blocks] int32
@@ -215,6 +254,7 @@ def decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     NUM_SPLITS_IS_ONE: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # num_splits padded to a power of two
     MIN_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -229,8 +269,8 @@ def decode_attention_kernel(
 
     # each request cuts its own context into equal slices (a multiple of
     # BLOCK_N, at least MIN_SPLIT positions), so the grid depends on no
-    # context length; programs past the request's slices exit at once and
-    # the reduce never reads them
+    # context length; programs past the request's slices exit at once,
+    # neither counted on the semaphore nor read by the merge
     context_start = 0
     if USE_WINDOW:
         context_start = tl.maximum(0, seq_len - sliding_window)
@@ -282,58 +322,38 @@ def decode_attention_kernel(
             mask=store_mask,
         )
     else:
+        num_heads = GROUP * tl.num_programs(1)
         # row (req, head) of the [num_reqs, num_heads, num_splits] statistics
-        stat_idx = (req * GROUP * tl.num_programs(1) + head) * num_splits + split
+        stat_idx = (req * num_heads + head) * num_splits + split
         tl.store(part_max_ptr + stat_idx, m_i, mask=row_valid)
         tl.store(part_sum_ptr + stat_idx, l_i, mask=row_valid)
         tl.store(part_out_ptr + stat_idx[:, None] * HEAD_DIM + dims[None, :], acc,
                  mask=store_mask)
-
-
-@triton.jit(do_not_specialize=["sliding_window", "num_splits"])
-def decode_reduce_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim]
-    part_out_ptr,  # [num_reqs, num_heads, num_splits, head_dim] fp32
-    part_max_ptr,  # [num_reqs, num_heads, num_splits] fp32
-    part_sum_ptr,  # [num_reqs, num_heads, num_splits] fp32
-    query_start_loc_ptr,  # [num_reqs + 1] int32
-    seq_lens_ptr,  # [num_reqs] int32
-    sliding_window,
-    num_splits,
-    stride_out_token,
-    stride_out_head,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # num_splits padded to a power of two
-    MIN_SPLIT: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-):
-    """Merge the request's used splits in one vectorised pass; splits the
-    attention kernel left empty are neither read nor counted."""
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) == q_start:
-        return
-    seq_len = tl.load(seq_lens_ptr + req)
-    context_len = seq_len
-    if USE_WINDOW:
-        context_len = seq_len - tl.maximum(0, seq_len - sliding_window)
-    useful_splits = tl.minimum(num_splits, tl.maximum(1, tl.cdiv(context_len, MIN_SPLIT)))
-    splits = tl.arange(0, SPLITS_PAD)
-    used = splits < useful_splits
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_mask = dims < HEAD_DIM
-    stat_idx = (req * tl.num_programs(1) + head) * num_splits + splits
-    m_split = tl.load(part_max_ptr + stat_idx, mask=used, other=NEG_BIG)
-    l_split = tl.load(part_sum_ptr + stat_idx, mask=used, other=0.0)
-    acc_split = tl.load(part_out_ptr + stat_idx[:, None] * HEAD_DIM + dims[None, :],
-                        mask=used[:, None] & dim_mask[None, :], other=0.0)
-    weight = tl.exp2(m_split - tl.max(m_split, 0))  # [SPLITS_PAD]
-    l_total = tl.sum(l_split * weight, 0)
-    acc = tl.sum(acc_split * weight[:, None], 0)  # [HEAD_DIM_PAD]
-    tl.store(out_ptr + q_start * stride_out_token + head * stride_out_head + dims,
-             (acc / l_total).to(out_ptr.dtype.element_ty), mask=dim_mask)
+        # Publish the partials, then count this split. GPU memory ordering
+        # (the interpreter runs programs one after another and shows none of
+        # it): the scalar atomic is executed by one thread of the program, so
+        # the barrier first orders every thread's stores above before it
+        # (CTA scope); its release half, at GPU scope and cumulative, then
+        # makes them visible to whichever program acquires the count later.
+        tl.debug_barrier()
+        semaphore = semaphore_ptr + req * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(semaphore, 1, sem="acq_rel", scope="gpu")
+        if arrived == useful_splits - 1:
+            # Last of the used splits: every other one released its partials
+            # before its increment, and this acquire read the sum of them all.
+            # Every thread takes this branch (Triton broadcasts the atomic's
+            # result), and the barrier orders each thread's loads below after
+            # the one thread's acquire, whatever that broadcast does. The
+            # loads are volatile so that neither the compiler nor L1 can
+            # serve them from before it. No other program touches the
+            # semaphore again in this launch; the next launch (or graph
+            # replay) starts after this one completes and sees the 0.
+            tl.debug_barrier()
+            tl.store(semaphore, 0)
+            _merge_splits(out_ptr + q_start * stride_out_token, part_out_ptr, part_max_ptr,
+                          part_sum_ptr, (req * num_heads + kv_head * GROUP) * num_splits,
+                          num_splits, useful_splits, kv_head * GROUP, stride_out_head, GROUP,
+                          HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD)
 
 
 # ---------------------------------------------------------------- launchers
@@ -463,6 +483,38 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int = DEFAULT_N
     return 1 << (splits.bit_length() - 1)
 
 
+# device -> every semaphore buffer handed out there, the newest (largest)
+# last; older ones stay referenced because captured CUDA graphs use them
+_SEMAPHORES: dict[torch.device, list[torch.Tensor]] = {}
+MIN_SEMAPHORES = 1024
+
+
+def decode_semaphores(device: torch.device, num_semaphores: int) -> torch.Tensor:
+    """The int32 split counters of ``decode_attention`` on ``device``: at
+    least ``num_semaphores``, all 0 between launches.
+
+    Allocated and zeroed only when a call needs more than the newest buffer
+    has (doubling, at least ``MIN_SEMAPHORES``); every launch leaves the
+    counters it used at 0 again. Growing inside a CUDA graph capture would
+    record the zeroing in the graph instead of running it, so it is refused:
+    run the largest batch eagerly first (graph capture warms each size up
+    eagerly, largest first).
+    """
+    buffers = _SEMAPHORES.setdefault(device, [])
+    if buffers and buffers[-1].numel() >= num_semaphores:
+        return buffers[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"decode_attention: {num_semaphores} split semaphores needed on {device} while "
+            f"capturing a CUDA graph, {buffers[-1].numel() if buffers else 0} allocated; run "
+            "the largest decode batch once eagerly before capturing"
+        )
+    size = max(MIN_SEMAPHORES, triton.next_power_of_2(num_semaphores),
+               2 * buffers[-1].numel() if buffers else 0)
+    buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -503,10 +555,10 @@ def decode_attention(
 
     ``num_splits`` (default: ``decode_num_splits``) is the most slices a
     context is cut into; a request of ``n`` positions uses
-    ``min(num_splits, ceil(n / min_split_tokens))`` equal ones and a reduce
-    kernel merges them. Every query row must be the last position of its
-    request. ``max_seq_len`` may be any upper bound of ``seq_lens`` (a CUDA
-    graph captured for reuse passes ``max_model_len``).
+    ``min(num_splits, ceil(n / min_split_tokens))`` equal ones, merged by the
+    last of them to finish, in the same launch. Every query row must be the
+    last position of its request. ``max_seq_len`` may be any upper bound of
+    ``seq_lens`` (a CUDA graph captured for reuse passes ``max_model_len``).
     """
     out = _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
                         out)
@@ -536,11 +588,13 @@ def decode_attention(
         part_max = torch.empty((num_reqs, num_heads, num_splits), dtype=torch.float32,
                                device=q.device)
         part_sum = torch.empty_like(part_max)
+        semaphores = decode_semaphores(q.device, num_reqs * num_kv_heads)
     else:
         part_out = part_max = part_sum = out
+        semaphores = seq_lens  # unused by the one-split kernel
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_max, part_sum,
+        q, k_cache, v_cache, out, part_out, part_max, part_sum, semaphores,
         query_start_loc, seq_lens, block_table,
         scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -553,19 +607,10 @@ def decode_attention(
         BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None,
         NUM_SPLITS_IS_ONE=num_splits == 1,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
         MIN_SPLIT=min_split_tokens,
         DOT_PRECISION=_dot_precision(kv_cache.dtype),
         num_warps=4,
         num_stages=2,
     )
-    if num_splits > 1:
-        decode_reduce_kernel[(num_reqs, num_heads)](
-            out, part_out, part_max, part_sum, query_start_loc, seq_lens, sliding_window or 0,
-            num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            MIN_SPLIT=min_split_tokens,
-            USE_WINDOW=sliding_window is not None,
-        )
     return out

@@ -111,6 +111,7 @@ class StepInputs:
     # replays; both None: eager
     decode_graph_size: int | None
     token_graph_size: int | None
+    num_padding_tokens: int  # the graph's tokens beyond the step's
 
 
 class PendingStep:
@@ -127,6 +128,8 @@ class PendingStep:
         start: Any,
         end: Any,
         read_oldest: Callable[[], None],
+        graphed: bool,
+        num_padding_tokens: int,
     ) -> None:
         self.states = states  # the requests that sampled, in row order
         # sampled ids (then logprob ids, logprobs, ranks), valid once ``end`` is reached
@@ -134,6 +137,7 @@ class PendingStep:
         self.start, self.end = start, end  # see ModelRunner._mark
         self.output: ModelRunnerOutput | None = None
         self._read_oldest = read_oldest  # reads the runner's oldest unread step
+        self.graphed, self.num_padding_tokens = graphed, num_padding_tokens
 
     def get(self) -> ModelRunnerOutput:
         while self.output is None:
@@ -454,6 +458,7 @@ class ModelRunner:
             logits_indices=b.logits_indices[: len(host.sample_rows)],
             decode_graph_size=decode_size,
             token_graph_size=token_size,
+            num_padding_tokens=padded_num_tokens - host.num_tokens,
         )
 
     # ------------------------------------------------------------ step
@@ -504,7 +509,9 @@ class ModelRunner:
             self._last_sampled = (sampled.sampled_token_ids,
                                   {s.request_id: i for i, s in enumerate(states)})
         host_tensors = self._copy_to_host(sampled)
-        step = PendingStep(states, host_tensors, start, self._mark(), self._read_oldest_step)
+        graphed = inputs.decode_graph_size is not None or inputs.token_graph_size is not None
+        step = PendingStep(states, host_tensors, start, self._mark(), self._read_oldest_step,
+                           graphed, inputs.num_padding_tokens)
         self._unread.append(step)
         return step
 
@@ -548,7 +555,8 @@ class ModelRunner:
             device_s = step.start.elapsed_time(step.end) / 1e3
         else:
             device_s = step.end - step.start
-        output = ModelRunnerOutput(device_s=device_s)
+        output = ModelRunnerOutput(device_s=device_s, graphed=step.graphed,
+                                   num_padding_tokens=step.num_padding_tokens)
         step.output = output
         if not step.host_tensors:
             return

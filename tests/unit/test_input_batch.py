@@ -156,6 +156,9 @@ def test_padded_graph_paths_give_eager_tokens(tiny_checkpoint: Callable[[str], P
     assert ("decode", 8) in graphs.replays  # five decoding requests padded to 8
     # 47 prompt tokens under a 32-token budget: 32, then 3 decodes + 15 prompt tokens -> 32
     assert graphs.replays[:2] == [("tokens", 32), ("tokens", 32)]
+    stats = llm.stats()
+    assert stats["num_graph_steps"] == len(graphs.replays)
+    assert stats["num_padding_tokens"] >= 32 - 18
 
 
 @pytest.mark.parametrize(

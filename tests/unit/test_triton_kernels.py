@@ -1,7 +1,8 @@
 """The Triton attention kernels on CPU under ``TRITON_INTERPRET=1``, against the
 torch reference, on tiny shapes: ragged batches crossing block boundaries,
 GQA / MQA / MHA, sliding windows, chunked prefill over a cached prefix,
-split-K decode, shuffled and reversed block tables. Outputs are poisoned
+split-K decode (merged by its last split, with counters every launch must
+leave at 0), shuffled and reversed block tables. Outputs are poisoned
 with NaN, and so is every cache slot no request owns, so an unwritten
 output or a read past a request's context shows.
 
@@ -15,6 +16,8 @@ the interpreter (set ``TRITON_INTERPRET=1`` in the environment then).
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -196,10 +199,66 @@ def test_decode_output_ignores_upper_bound_and_padding() -> None:
                                            block_table, 4096, scale, num_splits=4,
                                            min_split_tokens=16)
     assert torch.equal(out[:3], exact)
+    assert not cpu_semaphores().any(), "padding rows left split counters nonzero"
 
 
 def test_decode_skips_requests_with_no_new_token() -> None:
     run_decode(make_case([1, 0, 1], [5, 8, 70], 4, 2, 16, 4, torch.float32), num_splits=2)
+
+
+def cpu_semaphores() -> torch.Tensor:
+    """The split counters ``decode_attention`` uses on the CPU."""
+    return paged_attention.decode_semaphores(torch.device("cpu"), 1)
+
+
+# at min_split_tokens 4 these contexts use 1, 5, 10, 33 and 75 -> all the
+# splits (fewer with fewer splits or a window); one request has no new token
+# (padding rows without context: test_decode_output_ignores_upper_bound_and_padding)
+RAGGED_Q = [1, 0, 1, 1, 1, 1]
+RAGGED_S = [1, 8, 17, 40, 130, 300]
+GROUPS = {1: (2, 2), 4: (8, 2), 8: (8, 1)}  # query heads per KV head -> (heads, KV heads)
+MERGE_CASES = [(1, 4, None), (2, 4, None), (8, 4, None), (64, 4, None), (8, 1, None),
+               (64, 1, None), (8, 8, None), (64, 8, None), (2, 4, 50), (64, 4, 50), (64, 8, 7)]
+
+
+@pytest.mark.parametrize("num_splits,group,window", MERGE_CASES,
+                         ids=[f"splits{s}-group{g}-window{w}" for s, g, w in MERGE_CASES])
+def test_decode_last_split_merges_in_the_same_launch(
+    num_splits: int, group: int, window: int | None
+) -> None:
+    semaphores = cpu_semaphores()
+    case = make_case(RAGGED_Q, RAGGED_S, *GROUPS[group], 16, 4, torch.float32)
+    run_decode(case, sliding_window=window, num_splits=num_splits, min_split_tokens=4)
+    assert cpu_semaphores() is semaphores
+    assert not semaphores.any(), "a launch left split counters nonzero"
+
+
+def test_decode_semaphores_reset_for_the_next_launch() -> None:
+    """One counter buffer serves launch after launch, as in a replayed CUDA
+    graph: a counter left nonzero would keep the next launch's last split
+    from recognising itself, and its output would stay NaN."""
+    semaphores = cpu_semaphores()
+    batches = [((4, 2), RAGGED_Q, RAGGED_S), ((8, 1), [1, 1, 1], [70, 5, 260]),
+               ((4, 4), [0, 1], [9, 33])]
+    for seed in range(2):
+        for heads, query_lens, seq_lens in batches:
+            case = make_case(query_lens, seq_lens, *heads, 16, 4, torch.float32, seed=seed)
+            run_decode(case, num_splits=8, min_split_tokens=4)
+            assert cpu_semaphores() is semaphores
+            assert not semaphores.any()
+
+
+def test_decode_semaphores_grow_and_keep_old_buffers() -> None:
+    device = torch.device("cpu")
+    old = paged_attention.decode_semaphores(device, 1)
+    new = paged_attention.decode_semaphores(device, old.numel() + 1)
+    assert new.numel() > old.numel() and not new.any()
+    assert paged_attention.decode_semaphores(device, 1) is new
+    # a CUDA graph may still hold the old address: it must stay allocated
+    old_ref = weakref.ref(old)
+    del old
+    gc.collect()
+    assert old_ref() is not None
 
 
 def test_decode_num_splits_policy() -> None:
