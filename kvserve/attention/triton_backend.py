@@ -1,17 +1,21 @@
 """The Triton attention backend, registered as ``"triton"``: the default on CUDA.
 
 Each layer call writes the step's new K/V into the paged cache, then runs
-one attention kernel for the whole batch. The write is ``store_kv``, or,
+the attention kernels. The write is ``store_kv``, or,
 when the layer hands over its rotary embedding (``rope``), ``rope_store_kv``:
 one launch that rotates q in place and stores the rotated k with v, leaving
 the same bits as ``apply_rotary`` then ``store_kv`` with a launch fewer per
 layer. Then:
 
-- ``decode_attention`` (split-K, flash-decoding) when every request has one
-  new token (``max_query_len == 1``), so long contexts at small batch still
-  fill the GPU;
-- ``prefill_attention`` otherwise: it handles prefills, chunked prefills and
-  decodes in the same launch, so mixed steps need no split of the batch.
+- ``decode_attention`` (split-K, flash-decoding) for every request with one
+  new token, so long contexts at small batch still fill the GPU; that is the
+  whole batch of a decode step (``max_query_len == 1``);
+- in any other step also ``prefill_attention`` for the requests with more,
+  told to skip the others: a mixed step's decodes (most of its attention's
+  reads at large batch) keep the decode kernel, whose one-token tiles do a
+  fraction of the prefill kernel's work per position. Both kernels take the
+  whole batch and pick their rows on the device, so the batch needs no
+  reordering and a CUDA graph of the step holds for any mix.
 
 The choice reads only host ints of the metadata; nothing here synchronises
 with the device. Kernels live in ``kvserve/kernels``; this module owns only
@@ -53,14 +57,15 @@ class TritonAttentionBackend:
         else:
             rope_store_kv(q, k, v, kv_cache, metadata.slot_mapping, rope.positions,
                           rope.cos_sin_cache, rope.rotary_dim)
-        if metadata.max_query_len == 1:
-            return decode_attention(
+        out = None
+        if metadata.max_query_len > 1:
+            out = prefill_attention(
                 q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-                metadata.max_seq_len, scale, sliding_window,
+                metadata.max_query_len, scale, sliding_window, skip_decodes=True,
             )
-        return prefill_attention(
+        return decode_attention(
             q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-            metadata.max_query_len, scale, sliding_window,
+            metadata.max_seq_len, scale, sliding_window, out=out,
         )
 
 

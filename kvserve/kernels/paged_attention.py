@@ -127,6 +127,7 @@ def prefill_attention_kernel(
     BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD rows
     BLOCK_N: tl.constexpr,  # key positions per tile
     USE_WINDOW: tl.constexpr,
+    SKIP_DECODES: tl.constexpr,  # leave requests of one new token to decode_attention
     DOT_PRECISION: tl.constexpr,
 ):
     q_block_idx = tl.program_id(0)
@@ -136,6 +137,8 @@ def prefill_attention_kernel(
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     q_block_local = q_block_idx - (q_start // BLOCK_Q + req)
     if q_block_local * BLOCK_Q >= q_len:
+        return
+    if SKIP_DECODES and q_len == 1:
         return
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
@@ -263,8 +266,8 @@ def decode_attention_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) == q_start:
-        return
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+        return  # padding, or a prompt chunk that prefill_attention handles
     seq_len = tl.load(seq_lens_ptr + req)
 
     # each request cuts its own context into equal slices (a multiple of
@@ -425,12 +428,16 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    skip_decodes: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal paged attention for any mix of prefills, chunked prefills and decodes.
 
     Every query head of one KV head is computed in the same program. Needs no
     device-to-host copy: the grid comes from ``q.shape[0]``, the number of
-    requests and ``max_query_len``.
+    requests and ``max_query_len``. With ``skip_decodes`` the rows of
+    requests with one new token are left unwritten, for ``decode_attention``
+    on the same ``out``: its split-K kernel reads their context faster than
+    a tile made for many query tokens.
     """
     out = _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
                         out)
@@ -462,6 +469,7 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None,
+        SKIP_DECODES=skip_decodes,
         DOT_PRECISION=_dot_precision(kv_cache.dtype),
         num_warps=8 if block_m >= 128 else 4,
         num_stages=2,
@@ -539,7 +547,7 @@ def _prefill_tile_limits(dtype: torch.dtype, head_dim_pad: int) -> tuple[int, in
 
 
 def decode_attention(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], one token per request
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32
@@ -551,7 +559,11 @@ def decode_attention(
     num_splits: int | None = None,
     min_split_tokens: int = MIN_SPLIT_TOKENS,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Split-K paged attention for steps where every request has at most one new token.
+    """Split-K paged attention of the requests with exactly one new token.
+
+    In a decode step that is every request (padding rows have none); in a
+    mixed step the others' rows are left to ``prefill_attention(...,
+    skip_decodes=True)`` on the same ``out``.
 
     ``num_splits`` (default: ``decode_num_splits``) is the most slices a
     context is cut into; a request of ``n`` positions uses
@@ -565,11 +577,6 @@ def decode_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_reqs = seq_lens.shape[0]
-    if num_tokens > num_reqs:
-        raise ValueError(
-            f"decode_attention: {num_tokens} tokens for {num_reqs} requests; a decode step has "
-            "at most one new token per request (use prefill_attention)"
-        )
     if num_tokens == 0 or num_reqs == 0 or max_seq_len < 1:
         return out
     if num_splits is None:

@@ -151,6 +151,34 @@ def test_prefill_kernel_handles_decode_only_batches() -> None:
     run_prefill(make_case([1, 1, 1], [1, 17, 40], 4, 2, 16, 4, torch.float16))
 
 
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_mixed_batch_splits_between_the_two_kernels(window: int | None, num_splits: int) -> None:
+    """A mixed step: the prefill kernel told to skip one-token requests, then the
+    decode kernel on the same output, equals the reference; each alone leaves the
+    other's rows unwritten."""
+    case = make_case([1, 7, 1, 0, 3, 1], [30, 9, 1, 4, 20, 70], 4, 2, 16, 4, torch.float16)
+    scale = case.q.shape[-1] ** -0.5
+    cache = stored_cache(case)
+    md = case.metadata
+    single = torch.zeros(case.q.shape[0], dtype=torch.bool)
+    single[[0, 8, 12]] = True  # the rows of the one-token requests (query starts 0, 8, 12)
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention.prefill_attention(case.q, cache, md.query_start_loc, md.seq_lens,
+                                      md.block_table, md.max_query_len, scale, window,
+                                      out=out, skip_decodes=True)
+    assert out[single].isnan().all() and not out[~single].isnan().any()
+    paged_attention.decode_attention(case.q, cache, md.query_start_loc, md.seq_lens,
+                                     md.block_table, md.max_seq_len, scale, window, out=out,
+                                     num_splits=num_splits, min_split_tokens=16)
+    assert_close(out, reference(case, scale, window))
+    alone = torch.full_like(case.q, float("nan"))
+    paged_attention.decode_attention(case.q, cache, md.query_start_loc, md.seq_lens,
+                                     md.block_table, md.max_seq_len, scale, window, out=alone,
+                                     num_splits=num_splits, min_split_tokens=16)
+    assert alone[~single].isnan().all() and torch.equal(alone[single], out[single])
+
+
 @pytest.mark.parametrize("heads,num_splits", [
     ((4, 2), None), ((4, 2), 1), ((4, 2), 2), ((4, 2), 3), ((4, 2), 8), ((4, 1), 8),
     ((4, 4), 8), ((8, 1), 3),
@@ -311,9 +339,6 @@ def test_launchers_reject_bad_inputs() -> None:
         prefill(sliding_window=0)
     with pytest.raises(ValueError, match="kv_cache"):
         prefill(kv_cache=cache[0])
-    with pytest.raises(ValueError, match="at most one new token"):
-        paged_attention.decode_attention(case.q, cache, md.query_start_loc, md.seq_lens,
-                                         md.block_table, 5, 1.0)
     with pytest.raises(ValueError, match="slot_mapping"):
         store_kv.store_kv(case.k, case.v, cache, md.slot_mapping.int())
     with pytest.raises(ValueError, match="k has shape"):
