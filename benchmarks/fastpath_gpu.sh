@@ -6,14 +6,14 @@
 # attention (the oracle), then the peers
 # (benchmarks/peers.py) on the same requests, then one summary table of every JSON in OUT_DIR.
 #   benchmarks/fastpath_gpu.sh OUT_DIR [STAGE...]
-# Stages, in order (default: all): latency throughput no-async reference reference-w2 gptfast
-# hf-static hf-batch summary. REFERENCE_W2_PROMPTS (default 200) sizes reference-w2.
+# Stages, in order (default: all): latency throughput no-token-graphs no-async reference
+# reference-w2 gptfast hf-static hf-batch summary. REFERENCE_W2_PROMPTS (default 200) sizes reference-w2.
 # Run from the repository root on the GPU machine; gptfast needs .peers/gpt-fast (carry it).
 # `summary` needs only Python: it also runs on a folder of JSON gathered from several calls.
 set -euo pipefail
 out=${1:?output directory}
 shift
-stages=${*:-latency throughput no-async reference reference-w2 gptfast hf-static hf-batch summary}
+stages=${*:-latency throughput no-token-graphs no-async reference reference-w2 gptfast hf-static hf-batch summary}
 REFERENCE_W2_PROMPTS=${REFERENCE_W2_PROMPTS:-200}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -40,6 +40,9 @@ for stage in $stages; do
         throughput)
             bench throughput w2 --workload w2
             bench throughput w2-first200 --workload w2 --num-prompts 200
+            ;;
+        no-token-graphs)  # prefill and mixed steps run eagerly (decision 0010)
+            bench throughput w2-no-token-graphs --cuda-graph-token-sizes --workload w2
             ;;
         no-async)  # the host's work between steps is not overlapped with the device's
             bench latency w1-p128-no-async --no-async-scheduling --input-len 128 \
