@@ -63,10 +63,6 @@ class CudaGraphs:
         self.hidden: dict[int, torch.Tensor] = {}  # size -> [size, hidden_size]
         self.pool_bytes = 0
 
-    @property
-    def max_decode_size(self) -> int:
-        return self.decode_sizes[-1] if self.decode_sizes else 0
-
     def decode_size(self, num_reqs: int) -> int | None:
         """The captured size a decode step of ``num_reqs`` requests replays, if any."""
         return _smallest_at_least(self.decode_sizes, num_reqs)
@@ -77,23 +73,19 @@ class CudaGraphs:
 
     def decode_metadata(self, size: int) -> AttentionMetadata:
         """Decode metadata over the first ``size`` rows of the buffers."""
-        return self._metadata(size, size, max_query_len=1, max_seq_len=self.max_model_len)
+        return self._metadata(size, size, max_query_len=1)
 
     def token_metadata(self, size: int) -> AttentionMetadata:
         """Metadata of a ``size``-token step over every request slot of the buffers."""
-        b = self.buffers
-        return self._metadata(b.max_num_reqs, size, max_query_len=size,
-                              max_seq_len=self.max_model_len)
+        return self._metadata(self.buffers.max_num_reqs, size, max_query_len=size)
 
-    def _metadata(
-        self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int
-    ) -> AttentionMetadata:
+    def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int) -> AttentionMetadata:
         b = self.buffers
         return AttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=num_tokens,
             max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
+            max_seq_len=self.max_model_len,  # any later context must fit the captured grids
             query_start_loc=b.query_start_loc[: num_reqs + 1],
             seq_lens=b.seq_lens[:num_reqs],
             block_table=b.block_table[:num_reqs],
