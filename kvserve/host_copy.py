@@ -13,14 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 
 def to_device(
-    values: Sequence[Any], dtype: torch.dtype, device: torch.device | str
+    values: Sequence[Any] | np.ndarray, dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
-    """``values`` (a list, or a list of equal-length lists) as a tensor on ``device``."""
-    tensor = torch.tensor(values, dtype=dtype)
+    """``values`` (a list, a list of equal-length lists or a numpy array) as a
+    tensor on ``device``."""
+    tensor = torch.tensor(values, dtype=dtype)  # a copy, also of an array
     if torch.device(device).type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)

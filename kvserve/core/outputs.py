@@ -30,20 +30,13 @@ class NewRequestData:
 
 
 @dataclass
-class CachedRequestData:
-    """A request the runner already holds: only what changed."""
-
-    request_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass
 class SchedulerOutput:
     """One step's plan."""
 
     new_requests: list[NewRequestData] = field(default_factory=list)
-    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # requests the runner holds that got blocks this step -> the new block
+    # ids; the runner counts their computed tokens itself
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     # request_id -> tokens to run this step
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0

@@ -37,7 +37,6 @@ from kvserve.config import CacheConfig, LoRAConfig, SchedulerConfig
 from kvserve.core.block_pool import KVBlock
 from kvserve.core.kv_manager import KVCacheManager
 from kvserve.core.outputs import (
-    CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
@@ -179,7 +178,7 @@ class Scheduler:
                 new_blocks = self.kv_manager.allocate_slots(request, num_new)
             if new_blocks is None:  # the request preempted itself
                 continue
-            self._record(request, num_new, [b.block_id for b in new_blocks], out)
+            self._record(request, num_new, new_blocks, out)
             budget -= num_new
             index += 1
         return budget
@@ -232,7 +231,7 @@ class Scheduler:
         return self.step_token_sizes[i - 1] - scheduled
 
     def _record(
-        self, request: Request, num_new: int, new_block_ids: list[int], out: SchedulerOutput
+        self, request: Request, num_new: int, new_blocks: list[KVBlock], out: SchedulerOutput
     ) -> None:
         request_id = request.request_id
         if request_id in self._send_whole:
@@ -249,10 +248,8 @@ class Scheduler:
                     lora_int_id=request.lora_int_id,
                 )
             )
-        else:
-            out.cached_requests.append(
-                CachedRequestData(request_id, new_block_ids, request.num_computed_tokens)
-            )
+        elif new_blocks:
+            out.new_block_ids[request_id] = [block.block_id for block in new_blocks]
         out.num_scheduled_tokens[request_id] = num_new
         request.num_computed_tokens += num_new
 
@@ -266,9 +263,7 @@ class Scheduler:
         self.running.remove(victim)
         given_back = out.num_scheduled_tokens.pop(victim.request_id, 0)
         out.new_requests = [r for r in out.new_requests if r.request_id != victim.request_id]
-        out.cached_requests = [
-            r for r in out.cached_requests if r.request_id != victim.request_id
-        ]
+        out.new_block_ids.pop(victim.request_id, None)
         self.kv_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -297,10 +292,12 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             new_tokens = token_ids
+            stopped = False
             for i, token_id in enumerate(token_ids):
                 request.all_token_ids.append(token_id)
                 if check_stop(request, max_model_len):
                     new_tokens = token_ids[: i + 1]
+                    stopped = True
                     break
             times = request.times
             if times.first_token_s is None:
@@ -312,7 +309,7 @@ class Scheduler:
                 new_logprobs=logprobs.get(request_id) if logprobs else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
-            if request.status.is_finished:
+            if stopped:
                 output.finish_reason = request.status.finish_reason
                 output.stop_reason = request.stop_reason
                 self._remove(request)  # a preempted request may finish from the waiting queue

@@ -1,7 +1,8 @@
 """Turns the model's last-position logits into next tokens, on the device.
 
 Per step the model runner builds one ``SamplingBatch`` (per-request settings
-as device tensors plus host-side fast-path flags) and calls ``Sampler``.
+as device tensors plus host-side fast-path flags) from the ``SamplingRows``
+it keeps per request (numpy columns) and calls ``Sampler``.
 The order of operations is:
 
     penalties (repetition, presence, frequency) -> min_tokens mask
@@ -15,7 +16,7 @@ Both argmaxes (greedy rows, the race) take ``kernels/argmax.py`` with ``use_trit
 This module must not synchronise with the host: no ``.item()``, no
 ``.tolist()``, no branches on tensor values, no blocking host-to-device
 copies (``to_device`` queues them). Every branch is on a flag that
-``SamplingBatch.build`` computed from the Python-side params.
+``SamplingBatch.from_rows`` computed on the host.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserve.core.sampling_params import SamplingParams
@@ -31,6 +33,7 @@ from kvserve.host_copy import to_device
 # top_p rows keep tokens until the kept mass reaches top_p - this slack, so
 # float32 rounding of softmax/cumsum does not add one more token on exact cuts
 _TOP_P_SLACK = 1e-6
+_ALL = slice(None)
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -52,20 +55,84 @@ class SamplerOutput:
     sampled_token_ranks: torch.Tensor | None = None  # [R] int64
 
 
+class SamplingRows:
+    """Per-row sampling settings as numpy columns, the form the model runner
+    keeps between steps (one row per request) and a step's batch is taken from.
+
+    Greedy rows hold the neutral values (temperature 1.0, top-k/top-p/min-p
+    off), so a column is "used" exactly when some row differs from neutral.
+    """
+
+    def __init__(self, num_rows: int, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.greedy = np.zeros(num_rows, dtype=bool)
+        self.temperature = np.ones(num_rows, dtype=np.float32)
+        self.top_k = np.full(num_rows, vocab_size, dtype=np.int64)  # vocab_size: off
+        self.top_p = np.ones(num_rows, dtype=np.float32)
+        self.min_p = np.zeros(num_rows, dtype=np.float32)
+        self.presence_penalty = np.zeros(num_rows, dtype=np.float32)
+        self.frequency_penalty = np.zeros(num_rows, dtype=np.float32)
+        self.repetition_penalty = np.ones(num_rows, dtype=np.float32)
+        self.num_logprobs = np.full(num_rows, -1, dtype=np.int64)  # -1: none wanted
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], vocab_size: int) -> SamplingRows:
+        """Row i holds ``params[i]``."""
+        rows = cls(len(params), vocab_size)
+        for i, p in enumerate(params):
+            rows.set(i, p)
+        return rows
+
+    def set(self, row: int, params: SamplingParams) -> None:
+        greedy = params.is_greedy
+        self.greedy[row] = greedy
+        self.temperature[row] = 1.0 if greedy else params.temperature
+        self.top_k[row] = (params.top_k if 0 < params.top_k < self.vocab_size and not greedy
+                           else self.vocab_size)
+        self.top_p[row] = 1.0 if greedy else params.top_p
+        self.min_p[row] = 0.0 if greedy else params.min_p
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+
+    def has_penalties(self, rows: np.ndarray | slice = _ALL) -> np.ndarray:
+        """Per row of ``rows``: whether any penalty is on (sampling reads its outputs)."""
+        return ((self.presence_penalty[rows] != 0.0) | (self.frequency_penalty[rows] != 0.0)
+                | (self.repetition_penalty[rows] != 1.0))
+
+    def take(self, rows: np.ndarray) -> SamplingRows:
+        """The settings of ``rows``, in that order."""
+        taken = SamplingRows.__new__(SamplingRows)
+        taken.vocab_size = self.vocab_size
+        for name in _COLUMNS:
+            setattr(taken, name, getattr(self, name)[rows])
+        return taken
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.greedy)
+
+
+_COLUMNS = ("greedy", "temperature", "top_k", "top_p", "min_p", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "num_logprobs")
+
+
 @dataclass
 class SamplingBatch:
     """Per-request sampling settings of one step, as device tensors.
 
     A tensor is None when no row needs it; that is what the fast-path
-    properties (``no_penalties``, ``no_top_k``, ...) read.
+    properties (``no_penalties``, ``no_top_k``, ...) read. An all-greedy
+    batch has no temperature or mask either: it is an argmax.
     """
 
     num_rows: int
     vocab_size: int
     all_greedy: bool
     all_random: bool
-    greedy_mask: torch.Tensor  # [R] bool
-    temperature: torch.Tensor  # [R] float32, 1.0 on greedy rows
+    greedy_mask: torch.Tensor | None  # [R] bool; None when all rows agree
+    temperature: torch.Tensor | None  # [R] float32, 1.0 on greedy rows; None if all greedy
     top_k: torch.Tensor | None  # [R] int64, vocab_size where off
     top_p: torch.Tensor | None  # [R] float32, 1.0 where off
     min_p: torch.Tensor | None  # [R] float32, 0.0 where off
@@ -128,70 +195,79 @@ class SamplingBatch:
                 f"{len(output_token_ids)} outputs and {len(generators)} generators; "
                 "all must have one entry per row"
             )
-        greedy = [p.is_greedy for p in params]
-        rows = list(zip(params, greedy, strict=True))
-        top_k = [p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size for p, g in rows]
-        top_p = [1.0 if g else p.top_p for p, g in rows]
-        min_p = [0.0 if g else p.min_p for p, g in rows]
-        temperature = [1.0 if g else p.temperature for p, g in rows]
-        top_k_tensor = None
-        if any(k != vocab_size for k in top_k):
-            top_k_tensor = to_device(top_k, torch.int64, device)
-        forbidden_row_idx, forbidden_token_ids = _forbidden_tokens(
-            params, output_token_ids, eos_token_ids, vocab_size, device
+        forbidden = [(i, token_id) for i, p in enumerate(params)
+                     for token_id in forbidden_token_ids(p, len(output_token_ids[i]),
+                                                         eos_token_ids, vocab_size)]
+        return cls.from_rows(
+            SamplingRows.of(params, vocab_size), prompt_token_ids, output_token_ids, forbidden,
+            {i: g for i, g in enumerate(generators) if g is not None}, device,
         )
-        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: SamplingRows,
+        prompt_token_ids: Sequence[Sequence[int]] | None,
+        output_token_ids: Sequence[Sequence[int]] | None,
+        forbidden: Sequence[tuple[int, int]],
+        generators: dict[int, torch.Generator],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """The batch of ``rows``. The token ids are read only when a row has a
+        penalty (the runner passes None otherwise); ``forbidden`` are the
+        (row, token) pairs to mask (``forbidden_token_ids``); ``generators``
+        maps rows to seeded generators (greedy rows' are dropped)."""
+        vocab_size = rows.vocab_size
+        all_greedy = bool(rows.greedy.all())
+        all_random = not rows.greedy.any()
+        use_top_k = bool((rows.top_k != vocab_size).any())
+        # every float column in use goes to the device in one copy
+        floats = {name: getattr(rows, name) for name, used in (
+            ("temperature", not all_greedy),
+            ("top_p", bool((rows.top_p < 1.0).any())),
+            ("min_p", bool((rows.min_p > 0.0).any())),
+            ("presence_penalty", bool((rows.presence_penalty != 0.0).any())),
+            ("frequency_penalty", bool((rows.frequency_penalty != 0.0).any())),
+            ("repetition_penalty", bool((rows.repetition_penalty != 1.0).any())),
+        ) if used}
+        tensors: dict[str, torch.Tensor | None] = dict.fromkeys(_COLUMNS[1:8])
+        if floats:
+            stacked = to_device(np.stack(list(floats.values())), torch.float32, device)
+            tensors.update(zip(floats, stacked.unbind(0), strict=True))
+        counts = prompt_mask = None
+        if "presence_penalty" in floats or "frequency_penalty" in floats or (
+                "repetition_penalty" in floats):
+            if prompt_token_ids is None or output_token_ids is None:
+                raise ValueError("SamplingBatch.from_rows: penalties need the rows' token ids")
+            counts = _token_counts(output_token_ids, vocab_size, device)
+            if "repetition_penalty" in floats:
+                prompt_mask = _token_counts(prompt_token_ids, vocab_size, device) > 0
+        forbidden_rows = forbidden_ids = None
+        if forbidden:
+            pairs = to_device(list(forbidden), torch.int64, device)
+            forbidden_rows, forbidden_ids = pairs[:, 0], pairs[:, 1]
+        max_logprobs = int(rows.num_logprobs.max(initial=-1))
         return cls(
-            num_rows=num_rows,
+            num_rows=rows.num_rows,
             vocab_size=vocab_size,
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            greedy_mask=to_device(greedy, torch.bool, device),
-            temperature=_floats(temperature, device),
-            top_k=top_k_tensor,
-            top_p=None if all(p >= 1.0 for p in top_p) else _floats(top_p, device),
-            min_p=None if all(p <= 0.0 for p in min_p) else _floats(min_p, device),
-            **_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
-            forbidden_row_idx=forbidden_row_idx,
-            forbidden_token_ids=forbidden_token_ids,
-            generators={
-                i: gen for i, gen in enumerate(generators) if gen is not None and not greedy[i]
-            },
-            max_num_logprobs=max(logprob_counts) if logprob_counts else None,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=(None if all_greedy or all_random
+                         else to_device(rows.greedy, torch.bool, device)),
+            temperature=tensors["temperature"],
+            top_k=to_device(rows.top_k, torch.int64, device) if use_top_k else None,
+            top_p=tensors["top_p"],
+            min_p=tensors["min_p"],
+            presence_penalty=tensors["presence_penalty"],
+            frequency_penalty=tensors["frequency_penalty"],
+            repetition_penalty=tensors["repetition_penalty"],
+            output_token_counts=counts,
+            prompt_token_mask=prompt_mask,
+            forbidden_row_idx=forbidden_rows,
+            forbidden_token_ids=forbidden_ids,
+            generators={i: g for i, g in generators.items() if not rows.greedy[i]},
+            max_num_logprobs=max_logprobs if max_logprobs >= 0 else None,
         )
-
-
-def _floats(values: list[float], device: torch.device | str) -> torch.Tensor:
-    return to_device(values, torch.float32, device)
-
-
-def _penalties(
-    params: Sequence[SamplingParams],
-    prompt_token_ids: Sequence[Sequence[int]],
-    output_token_ids: Sequence[Sequence[int]],
-    vocab_size: int,
-    device: torch.device | str,
-) -> dict[str, torch.Tensor | None]:
-    """The penalty fields of a SamplingBatch; all None when no row uses any."""
-    presence = [p.presence_penalty for p in params]
-    frequency = [p.frequency_penalty for p in params]
-    repetition = [p.repetition_penalty for p in params]
-    use_presence = any(v != 0.0 for v in presence)
-    use_frequency = any(v != 0.0 for v in frequency)
-    use_repetition = any(v != 1.0 for v in repetition)
-    counts = None
-    if use_presence or use_frequency or use_repetition:
-        counts = _token_counts(output_token_ids, vocab_size, device)
-    prompt_mask = None
-    if use_repetition:
-        prompt_mask = _token_counts(prompt_token_ids, vocab_size, device) > 0
-    return {
-        "presence_penalty": _floats(presence, device) if use_presence else None,
-        "frequency_penalty": _floats(frequency, device) if use_frequency else None,
-        "repetition_penalty": _floats(repetition, device) if use_repetition else None,
-        "output_token_counts": counts,
-        "prompt_token_mask": prompt_mask,
-    }
 
 
 def _token_counts(
@@ -208,32 +284,17 @@ def _token_counts(
     return counts[:, :vocab_size]
 
 
-def _forbidden_tokens(
-    params: Sequence[SamplingParams],
-    output_token_ids: Sequence[Sequence[int]],
-    eos_token_ids: Sequence[int],
-    vocab_size: int,
-    device: torch.device | str,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(row, token) pairs to mask: stop and EOS ids of rows below min_tokens."""
-    rows: list[int] = []
-    tokens: list[int] = []
-    for i, p in enumerate(params):
-        if len(output_token_ids[i]) >= p.min_tokens:
-            continue
-        stop_ids = set(p.all_stop_token_ids)
-        if not p.ignore_eos:
-            stop_ids.update(eos_token_ids)
-        for token_id in sorted(stop_ids):
-            if 0 <= token_id < vocab_size:
-                rows.append(i)
-                tokens.append(token_id)
-    if not rows:
-        return None, None
-    return (
-        to_device(rows, torch.int64, device),
-        to_device(tokens, torch.int64, device),
-    )
+def forbidden_token_ids(
+    params: SamplingParams, num_outputs: int, eos_token_ids: Sequence[int], vocab_size: int
+) -> list[int]:
+    """The tokens a row may not sample yet: its stop and EOS ids while it
+    has fewer than ``min_tokens`` outputs (sorted; none after that)."""
+    if num_outputs >= params.min_tokens:
+        return []
+    stop_ids = set(params.all_stop_token_ids)
+    if not params.ignore_eos:
+        stop_ids.update(eos_token_ids)
+    return [token_id for token_id in sorted(stop_ids) if 0 <= token_id < vocab_size]
 
 
 def row_argmax(x: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
@@ -292,6 +353,7 @@ class Sampler:
         greedy_ids = None if batch.all_random else row_argmax(logits, self.use_triton)
         if batch.all_greedy and greedy_ids is not None:
             return greedy_ids
+        assert batch.temperature is not None, "a batch with random rows has temperatures"
         # a new tensor: the masks below may work in place
         logits = logits / batch.temperature.unsqueeze(1)
         if batch.min_p is not None:
@@ -299,7 +361,7 @@ class Sampler:
         logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
         probs = torch.softmax(logits, dim=-1)
         random_ids = exponential_race(probs, batch.generators, self.use_triton)
-        if greedy_ids is None:
+        if greedy_ids is None or batch.greedy_mask is None:
             return random_ids
         return torch.where(batch.greedy_mask, greedy_ids, random_ids)
 

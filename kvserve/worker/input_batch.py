@@ -1,13 +1,17 @@
-"""The step's flat inputs, built with numpy from state kept between steps,
-and the persistent device buffers they are copied into.
+"""The runner's state between steps as numpy columns, the step's flat inputs
+built from it with numpy, and the persistent device buffers they go to.
 
-``BlockTables`` keeps one host row of block ids per running request, updated
-by the scheduler's diffs (new blocks are appended, a finished or preempted
-request frees its row), so a step never rebuilds a table from Python lists.
-``StepBuffers`` owns fixed device tensors sized for the largest step, plus
-pinned host mirrors: a step writes the host side with vectorised numpy and
-copies each buffer once, non-blocking. CUDA graphs read those device tensors
-at fixed addresses, so the same buffers serve eager and graphed steps.
+``PersistentBatch`` keeps one row per request the runner holds: its token ids
+(prompt and the outputs the host has read), token counts, block ids and
+sampling settings. The scheduler's diffs update it (a new request fills a
+row, new blocks are appended, a finished or preempted request frees its
+row), so a step gathers its requests' columns with numpy instead of walking
+Python objects; at batch 256 that per-request Python is most of the host's
+time. ``StepBuffers`` owns fixed device tensors sized for the largest step,
+packed into one buffer with a pinned host mirror: a step writes the host side
+and copies it with one non-blocking copy (and the block table with another),
+since each copy costs the host 10-30 µs. CUDA graphs read those device
+tensors at fixed addresses, so the same buffers serve eager and graphed steps.
 
 With async scheduling a step is prepared before the host has read the tokens
 of the step still running; those tokens are *carried*: the host writes a
@@ -18,47 +22,99 @@ device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvserve.core.block_pool import NULL_BLOCK_ID
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.sampling.sampler import SamplingRows
 
 
-class BlockTables:
-    """Host block tables: row ``r`` holds the block ids of the request using it."""
+class PersistentBatch:
+    """Row ``r`` holds the state of the request using it, in numpy columns."""
 
-    def __init__(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
-        self.table = np.full((max_num_reqs, max_blocks_per_req), NULL_BLOCK_ID, dtype=np.int32)
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, vocab_size: int
+    ) -> None:
+        # prompt + outputs; entries past num_tokens are stale
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # known to the host
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.full((max_num_reqs, max_blocks_per_req), NULL_BLOCK_ID,
+                                   dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        self.sampling = SamplingRows(max_num_reqs, vocab_size)
+        # bumped when a row is freed: a step read after its request left the
+        # row (finished, aborted, preempted) must not write into it
+        self.generation = np.zeros(max_num_reqs, dtype=np.int64)
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
-    def add(self, block_ids: list[int]) -> int:
-        """Give a request a row holding ``block_ids``; return the row."""
+    @property
+    def max_num_reqs(self) -> int:
+        return len(self.num_tokens)
+
+    def add(
+        self, token_ids: Sequence[int], num_prompt_tokens: int, num_computed_tokens: int,
+        block_ids: Sequence[int], params: SamplingParams,
+    ) -> int:
+        """Give a request a row; return the row."""
         if not self._free_rows:
             raise RuntimeError(
-                f"BlockTables: all {self.table.shape[0]} rows are in use; the scheduler ran "
+                f"PersistentBatch: all {self.max_num_reqs} rows are in use; the scheduler ran "
                 "more requests than max_num_seqs"
             )
+        if len(token_ids) > self.token_ids.shape[1]:
+            raise RuntimeError(
+                f"PersistentBatch: a request of {len(token_ids)} tokens exceeds "
+                f"max_model_len={self.token_ids.shape[1]}"
+            )
         row = self._free_rows.pop()
+        self.token_ids[row, :len(token_ids)] = token_ids
+        self.num_tokens[row] = len(token_ids)
+        self.num_prompt_tokens[row] = num_prompt_tokens
+        self.num_computed_tokens[row] = num_computed_tokens
+        self.min_tokens[row] = params.min_tokens
+        self.sampling.set(row, params)
         self.num_blocks[row] = 0
-        self.append(row, block_ids)
+        self.append_blocks(row, block_ids)
         return row
 
-    def append(self, row: int, block_ids: list[int]) -> None:
+    def append_blocks(self, row: int, block_ids: Sequence[int]) -> None:
         start = int(self.num_blocks[row])
         end = start + len(block_ids)
-        if end > self.table.shape[1]:
+        if end > self.block_table.shape[1]:
             raise RuntimeError(
-                f"BlockTables: row {row} would hold {end} blocks; at most {self.table.shape[1]} "
-                "fit max_model_len"
+                f"PersistentBatch: row {row} would hold {end} blocks; at most "
+                f"{self.block_table.shape[1]} fit max_model_len"
             )
-        self.table[row, start:end] = block_ids
+        self.block_table[row, start:end] = block_ids
         self.num_blocks[row] = end
 
     def free(self, row: int) -> None:
+        self.generation[row] += 1
         self._free_rows.append(row)
+
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append one token to each of ``rows`` (distinct)."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    def output_token_ids(self, row: int) -> list[int]:
+        return self.token_ids[row, self.num_prompt_tokens[row]:self.num_tokens[row]].tolist()
+
+    def prompt_token_ids(self, row: int) -> list[int]:
+        return self.token_ids[row, :self.num_prompt_tokens[row]].tolist()
+
+    def needs_known_outputs(self, rows: np.ndarray) -> np.ndarray:
+        """Per row: whether sampling reads its output tokens (penalties) or
+        their exact count (still below ``min_tokens``), not just the last one."""
+        num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        return self.sampling.has_penalties(rows) | (num_outputs < self.min_tokens[rows])
 
 
 @dataclass
@@ -78,44 +134,66 @@ class HostStep:
 
 
 class StepBuffers:
-    """Persistent device tensors of the step's inputs, with pinned host mirrors."""
+    """Persistent device tensors of the step's inputs, with pinned host mirrors.
+
+    All but the block table are views of one packed int64 buffer, laid out
+    small arrays first, then ``input_ids``, ``positions`` and ``slot_mapping``
+    (``max_num_tokens`` each), so a step copies one prefix of it.
+    """
 
     def __init__(
         self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int,
         device: torch.device,
     ) -> None:
         self.device = device
-        pin = device.type == "cuda"
-
-        def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-            return host, (host if device.type == "cpu" else torch.zeros_like(host, device=device))
-
-        self.input_ids_cpu, self.input_ids = pair((max_num_tokens,), torch.int64)
-        self.positions_cpu, self.positions = pair((max_num_tokens,), torch.int64)
-        self.slot_mapping_cpu, self.slot_mapping = pair((max_num_tokens,), torch.int64)
-        self.query_start_loc_cpu, self.query_start_loc = pair((max_num_reqs + 1,), torch.int32)
-        self.seq_lens_cpu, self.seq_lens = pair((max_num_reqs,), torch.int32)
-        self.logits_indices_cpu, self.logits_indices = pair((max_num_reqs,), torch.int64)
-        self.block_table_cpu, self.block_table = pair(
-            (max_num_reqs, max_blocks_per_req), torch.int32
-        )
-        # [0]: rows of input_ids, [1]: rows of the previous step's sampled tokens
-        self.carry_cpu, self.carry = pair((2, max_num_reqs), torch.int64)
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
+        pin = device.type == "cuda"
+        num_tokens, num_reqs = max_num_tokens, max_num_reqs
+        # int64 slots: logits_indices, carry, (query_start_loc, seq_lens as int32), then tokens
+        num_int32_slots = -(-(2 * num_reqs + 1) // 2)
+        self._tokens_start = 3 * num_reqs + num_int32_slots
+        self._packed_cpu = torch.zeros(self._tokens_start + 3 * num_tokens, dtype=torch.int64,
+                                       pin_memory=pin)
+        self._packed = (self._packed_cpu if device.type == "cpu"
+                        else torch.zeros_like(self._packed_cpu, device=device))
+        self.block_table_cpu = torch.zeros((num_reqs, max_blocks_per_req), dtype=torch.int32,
+                                           pin_memory=pin)
+        self.block_table = (self.block_table_cpu if device.type == "cpu"
+                            else torch.zeros_like(self.block_table_cpu, device=device))
+
+        def views(packed: torch.Tensor) -> dict[str, torch.Tensor]:
+            int32 = packed[3 * num_reqs:self._tokens_start].view(torch.int32)
+            tokens = packed[self._tokens_start:].view(3, num_tokens)
+            return {
+                "logits_indices": packed[:num_reqs],
+                # [0]: rows of input_ids, [1]: rows of the previous step's sampled tokens
+                "carry": packed[num_reqs:3 * num_reqs].view(2, num_reqs),
+                "query_start_loc": int32[:num_reqs + 1],
+                "seq_lens": int32[num_reqs + 1:2 * num_reqs + 1],
+                "input_ids": tokens[0],
+                "positions": tokens[1],
+                "slot_mapping": tokens[2],
+            }
+
+        host, dev = views(self._packed_cpu), views(self._packed)
+        self.logits_indices_cpu, self.logits_indices = host["logits_indices"], dev["logits_indices"]
+        self.carry_cpu, self.carry = host["carry"], dev["carry"]
+        self.query_start_loc_cpu = host["query_start_loc"]
+        self.query_start_loc = dev["query_start_loc"]
+        self.seq_lens_cpu, self.seq_lens = host["seq_lens"], dev["seq_lens"]
+        self.input_ids_cpu, self.input_ids = host["input_ids"], dev["input_ids"]
+        self.positions_cpu, self.positions = host["positions"], dev["positions"]
+        self.slot_mapping_cpu, self.slot_mapping = host["slot_mapping"], dev["slot_mapping"]
         # the last step's host-to-device copies: the host side may be rewritten
         # only once they are done (a step that samples nothing does not sync)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def fill(
         self,
-        token_chunks: list[list[int]],
-        num_computed: np.ndarray,  # [num_reqs] int64
+        batch: PersistentBatch,
+        rows: np.ndarray,  # [num_reqs] int64: the requests' rows in ``batch``
         num_scheduled: np.ndarray,  # [num_reqs] int64
-        num_total_tokens: np.ndarray,  # [num_reqs] int64: prompt + outputs so far
-        rows: np.ndarray,  # [num_reqs] int64: the requests' rows in ``tables``
-        tables: BlockTables,
         block_size: int,
         padded_num_reqs: int,
         padded_num_tokens: int,
@@ -124,18 +202,19 @@ class StepBuffers:
     ) -> HostStep:
         """Write the step's inputs into the host buffers and copy them to the device.
 
-        ``token_chunks[i]`` are request i's scheduled token ids. The last token
-        of request ``carried_reqs[j]`` is not known on the host (its chunk holds
-        a placeholder): it is row ``carried_src[j]`` of the previous step's
-        sampled tokens, and ``carry`` gets the pair for the runner. Requests
-        ``num_reqs .. padded_num_reqs - 1`` are padding for a CUDA graph, with a
-        zero-length query, which the attention kernels skip; so are tokens
-        ``num_tokens .. padded_num_tokens - 1``, which belong to no request
-        (id 0, position 0 and slot -1, which the KV write skips).
+        Request i runs ``num_scheduled[i]`` tokens of row ``rows[i]`` from its
+        ``num_computed_tokens`` on. The last token of request
+        ``carried_reqs[j]`` is not known on the host (its input id is stale):
+        it is row ``carried_src[j]`` of the previous step's sampled tokens, and
+        ``carry`` gets the pair for the runner. Requests ``num_reqs ..
+        padded_num_reqs - 1`` are padding for a CUDA graph, with a zero-length
+        query, which the attention kernels skip; so are tokens ``num_tokens ..
+        padded_num_tokens - 1``, which belong to no request (id 0, position 0
+        and slot -1, which the KV write skips).
         """
         if self._copied is not None:
             self._copied.synchronize()
-        num_reqs = len(token_chunks)
+        num_reqs = len(rows)
         cu = np.cumsum(num_scheduled)
         num_tokens = int(cu[-1])
         if padded_num_tokens > self.max_num_tokens or padded_num_reqs > self.max_num_reqs:
@@ -143,6 +222,7 @@ class StepBuffers:
                 f"StepBuffers: a step of {padded_num_tokens} tokens / {padded_num_reqs} requests "
                 f"exceeds the buffers ({self.max_num_tokens} / {self.max_num_reqs})"
             )
+        num_computed = batch.num_computed_tokens[rows]
         ends = num_computed + num_scheduled
         query_start_loc = self.query_start_loc_cpu.numpy()[: padded_num_reqs + 1]
         query_start_loc[0] = 0
@@ -153,14 +233,14 @@ class StepBuffers:
         seq_lens[num_reqs:] = 0
 
         if num_tokens == num_reqs:  # one token each: a decode-shaped step
-            token_req = np.arange(num_reqs)
+            token_rows = rows
             positions = num_computed
         else:
             token_req = np.repeat(np.arange(num_reqs), num_scheduled)
+            token_rows = rows[token_req]
             positions = (np.arange(num_tokens) - np.repeat(cu - num_scheduled, num_scheduled)
                          + num_computed[token_req])
-        token_rows = rows[token_req]
-        block_ids = tables.table[token_rows, positions // block_size]
+        block_ids = batch.block_table[token_rows, positions // block_size]
         slot_mapping = self.slot_mapping_cpu.numpy()[:padded_num_tokens]
         slot_mapping[:num_tokens] = block_ids.astype(np.int64) * block_size + positions % block_size
         slot_mapping[num_tokens:] = -1
@@ -168,16 +248,15 @@ class StepBuffers:
         positions_out[:num_tokens] = positions
         positions_out[num_tokens:] = 0
         input_ids = self.input_ids_cpu.numpy()[:padded_num_tokens]
-        input_ids[:num_tokens] = np.fromiter(
-            (t for chunk in token_chunks for t in chunk), dtype=np.int64, count=num_tokens
-        )
+        input_ids[:num_tokens] = batch.token_ids[token_rows, positions]
         input_ids[num_tokens:] = 0
 
-        max_blocks = int(tables.num_blocks[rows].max())
-        block_table = self.block_table_cpu.numpy()[:num_reqs, :max_blocks]
-        block_table[:] = tables.table[rows, :max_blocks]
+        max_blocks = int(batch.num_blocks[rows].max())
+        block_table = self.block_table_cpu.numpy()
+        block_table[:num_reqs, :max_blocks] = batch.block_table[rows, :max_blocks]
 
-        sample_rows = np.flatnonzero(ends == num_total_tokens)
+        # a request samples once its tokens are all computed (a carried one's too)
+        sample_rows = np.flatnonzero(ends >= batch.num_tokens[rows])
         logits_indices = self.logits_indices_cpu.numpy()[: len(sample_rows)]
         logits_indices[:] = cu[sample_rows] - 1
 
@@ -188,18 +267,13 @@ class StepBuffers:
             carry[1, :num_carried] = carried_src
 
         if self.device.type != "cpu":
-            self._copy(self.input_ids, self.input_ids_cpu, padded_num_tokens)
-            self._copy(self.positions, self.positions_cpu, padded_num_tokens)
-            self._copy(self.slot_mapping, self.slot_mapping_cpu, padded_num_tokens)
-            self._copy(self.query_start_loc, self.query_start_loc_cpu, padded_num_reqs + 1)
-            self._copy(self.seq_lens, self.seq_lens_cpu, padded_num_reqs)
-            self._copy(self.logits_indices, self.logits_indices_cpu, len(sample_rows))
-            self.block_table[:num_reqs, :max_blocks].copy_(
-                self.block_table_cpu[:num_reqs, :max_blocks], non_blocking=True
-            )
-            if num_carried:
-                self.carry[:, :num_carried].copy_(self.carry_cpu[:, :num_carried],
-                                                  non_blocking=True)
+            n = self._tokens_start + 2 * self.max_num_tokens + padded_num_tokens
+            self._packed[:n].copy_(self._packed_cpu[:n], non_blocking=True)
+            # whole rows but the last: one contiguous copy (columns past a
+            # row's blocks are stale and never read)
+            n = (num_reqs - 1) * block_table.shape[1] + max_blocks
+            self.block_table.view(-1)[:n].copy_(self.block_table_cpu.view(-1)[:n],
+                                                non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         return HostStep(
@@ -214,7 +288,3 @@ class StepBuffers:
             logits_indices=logits_indices,
             num_carried=num_carried,
         )
-
-    @staticmethod
-    def _copy(device_buffer: torch.Tensor, host_buffer: torch.Tensor, n: int) -> None:
-        device_buffer[:n].copy_(host_buffer[:n], non_blocking=True)

@@ -1,15 +1,15 @@
 """The model runner: turns a ``SchedulerOutput`` into one forward pass and a
 ``ModelRunnerOutput``.
 
-It keeps a persistent state per request (token ids, a row of the host block
-tables, sampling params and the request's random generator) updated from the
-scheduler's diffs, flattens the step's tokens of all requests into one batch
-in persistent buffers, builds the attention metadata once, runs the model
-(a decode step replays a CUDA graph when one is captured), computes logits
-only at the last position of each request that has caught up with its
-tokens, and samples. At start-up it profiles a largest step to size the KV
-cache. It owns the model, the KV cache tensors and the graphs; it knows
-nothing about queues, budgets or text.
+It keeps a persistent state per request (a row of the ``PersistentBatch``:
+token ids, counts, block ids and sampling settings as numpy columns; and the
+request's random generator) updated from the scheduler's diffs, flattens the
+step's tokens of all requests into one batch in persistent buffers, builds
+the attention metadata once, runs the model (a decode step replays a CUDA
+graph when one is captured), computes logits only at the last position of
+each request that has caught up with its tokens, and samples. At start-up
+it profiles a largest step to size the KV cache. It owns the model, the KV
+cache tensors and the graphs; it knows nothing about queues, budgets or text.
 
 ``execute_model`` only queues the step and returns a ``PendingStep``: the
 sampled tokens are copied to pinned host memory behind an event, and
@@ -47,9 +47,15 @@ from kvserve.lora.manager import LoRAManager
 from kvserve.lora.request import LoRARequest
 from kvserve.models.loader import load_model
 from kvserve.models.registry import CausalLM
-from kvserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
+from kvserve.sampling.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    forbidden_token_ids,
+    make_generator,
+)
 from kvserve.worker.cuda_graph import CudaGraphs
-from kvserve.worker.input_batch import BlockTables, StepBuffers
+from kvserve.worker.input_batch import PersistentBatch, StepBuffers
 from kvserve.worker.kv_cache import (
     allocate_kv_caches,
     allocate_scratch_kv_caches,
@@ -61,39 +67,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunnerRequestState:
-    """What the runner remembers about a request between steps."""
+    """What the runner remembers about a request besides its batch row."""
 
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # prompt + output, extended with each sampled token
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    num_computed_tokens: int
-    row: int | None  # its row of the block tables; None while preempted
+    row: int | None  # its row of the PersistentBatch; None while preempted
     lora_int_id: int = 0  # the request's LoRA adapter; 0: none
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
-
-    @property
-    def has_penalties(self) -> bool:
-        params = self.sampling_params
-        return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-                or params.repetition_penalty != 1.0)
-
-    @property
-    def reads_outputs(self) -> bool:
-        """Whether sampling reads the output tokens (penalties) or their count
-        (``min_tokens``); other requests' outputs are never copied for it."""
-        return self.has_penalties or self.sampling_params.min_tokens > 0
-
-    @property
-    def needs_known_outputs(self) -> bool:
-        """Whether sampling reads the output tokens themselves (penalties) or
-        their exact count (still below ``min_tokens``), not just the last one."""
-        num_outputs = len(self.token_ids) - len(self.prompt_token_ids)
-        return self.has_penalties or num_outputs < self.sampling_params.min_tokens
 
 
 @dataclass
@@ -101,10 +81,15 @@ class StepInputs:
     """The flattened batch of one step (device tensors are views of ``StepBuffers``)."""
 
     request_ids: list[str]
+    rows: np.ndarray  # [num_reqs] int64: the requests' batch rows
+    num_scheduled: np.ndarray  # [num_reqs] int64
+    lora_int_ids: list[int] | None  # per request, with LoRA enabled
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
-    # requests that sample this step, and the row of their last token
+    # requests that sample this step (indices into request_ids, and ids), and
+    # the row of their last token
+    sample_indices: np.ndarray
     sample_request_ids: list[str]
     logits_indices: torch.Tensor  # [num_sample_requests]
     # the decode graph (batch size) or token graph (token count) this step
@@ -123,7 +108,10 @@ class PendingStep:
 
     def __init__(
         self,
-        states: list[RunnerRequestState],
+        request_ids: list[str],
+        rows: np.ndarray,
+        generations: np.ndarray,
+        num_logprobs: np.ndarray,
         host_tensors: list[torch.Tensor],
         start: Any,
         end: Any,
@@ -131,7 +119,10 @@ class PendingStep:
         graphed: bool,
         num_padding_tokens: int,
     ) -> None:
-        self.states = states  # the requests that sampled, in row order
+        # the requests that sampled, their batch rows and those rows'
+        # generations then (a row freed since is not written), logprobs wanted
+        self.request_ids, self.rows, self.generations = request_ids, rows, generations
+        self.num_logprobs = num_logprobs
         # sampled ids (then logprob ids, logprobs, ranks), valid once ``end`` is reached
         self.host_tensors = host_tensors
         self.start, self.end = start, end  # see ModelRunner._mark
@@ -185,6 +176,8 @@ class ModelRunner:
             set_triton_ops(model, True)
         self.sampler = Sampler(use_triton=use_triton)
         self.states: dict[str, RunnerRequestState] = {}
+        # row -> generator of the seeded random requests
+        self._generators: dict[int, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
         # wraps the LoRA-capable linears before any graph is captured
@@ -196,7 +189,8 @@ class ModelRunner:
         self.cuda_graph_token_sizes = cuda_graph_token_sizes if use_graphs else ()
         max_num_reqs = scheduler_config.max_num_seqs
         max_blocks_per_req = -(-scheduler_config.max_model_len // self.block_size)
-        self.block_tables = BlockTables(max_num_reqs, max_blocks_per_req)
+        self.batch = PersistentBatch(max_num_reqs, scheduler_config.max_model_len,
+                                     max_blocks_per_req, model_config.vocab_size)
         max_num_tokens = max(scheduler_config.max_num_batched_tokens,
                              max(self.cuda_graph_sizes, default=0),
                              max(self.cuda_graph_token_sizes, default=0))
@@ -205,8 +199,10 @@ class ModelRunner:
         # queued steps whose tokens are not appended to the states yet, oldest first
         self._unread: deque[PendingStep] = deque()
         # the last step that sampled: its sampled tokens (on the device) and
-        # each request's row in them, for tokens the next step must carry
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # the batch rows that sampled; per batch row, its index in those
+        # tokens (-1: none), for tokens the next step must carry
+        self._last_sampled: tuple[torch.Tensor, np.ndarray] | None = None
+        self._last_sample_index = np.full(max_num_reqs, -1, dtype=np.int64)
 
     @classmethod
     def create(
@@ -349,34 +345,38 @@ class ModelRunner:
         for request_id in scheduler_output.finished_request_ids:
             state = self.states.pop(request_id, None)
             if state is not None and state.row is not None:
-                self.block_tables.free(state.row)
+                self._free_row(state.row)
         for request_id in scheduler_output.preempted_request_ids:
             state = self.states.get(request_id)
             if state is not None and state.row is not None:
-                self.block_tables.free(state.row)
+                self._free_row(state.row)
                 state.row = None
         for new in scheduler_output.new_requests:
             old = self.states.get(new.request_id)
             if old is not None and old.row is not None:
-                self.block_tables.free(old.row)
+                self._free_row(old.row)
             generator = old.generator if old is not None else self._make_generator(new)
+            row = self.batch.add(new.all_token_ids, len(new.prompt_token_ids),
+                                 new.num_computed_tokens, new.block_ids, new.sampling_params)
+            if generator is not None and not new.sampling_params.is_greedy:
+                self._generators[row] = generator
             self.states[new.request_id] = RunnerRequestState(
                 request_id=new.request_id,
-                prompt_token_ids=list(new.prompt_token_ids),
-                token_ids=list(new.all_token_ids),
                 sampling_params=new.sampling_params,
                 generator=generator,
-                num_computed_tokens=new.num_computed_tokens,
-                row=self.block_tables.add(list(new.block_ids)),
+                row=row,
                 lora_int_id=new.lora_int_id,
             )
-        for cached in scheduler_output.cached_requests:
-            state = self.states[cached.request_id]
-            if state.row is None:
-                raise RuntimeError(f"request {cached.request_id} resumed without its blocks")
-            if cached.new_block_ids:
-                self.block_tables.append(state.row, cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+        for request_id, block_ids in scheduler_output.new_block_ids.items():
+            held = self.states[request_id].row
+            if held is None:
+                raise RuntimeError(f"request {request_id} resumed without its blocks")
+            self.batch.append_blocks(held, block_ids)
+
+    def _free_row(self, row: int) -> None:
+        self.batch.free(row)
+        self._generators.pop(row, None)
+        self._last_sample_index[row] = -1
 
     def _make_generator(self, new: NewRequestData) -> torch.Generator | None:
         seed = new.sampling_params.seed
@@ -389,36 +389,28 @@ class ModelRunner:
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         scheduled = scheduler_output.num_scheduled_tokens
         request_ids = list(scheduled)
-        states = [self.states[r] for r in request_ids]
-        num_reqs = len(states)
-        num_computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)
-        num_scheduled = np.fromiter((scheduled[r] for r in request_ids), np.int64, num_reqs)
-        ends = num_computed + num_scheduled
-        num_known = np.fromiter((len(s.token_ids) for s in states), np.int64, num_reqs)
-        carried = np.flatnonzero(ends > num_known)
-        if len(carried) and (self._last_sampled is None or any(
-                states[i].needs_known_outputs or request_ids[i] not in self._last_sampled[1]
-                for i in carried)):
+        num_reqs = len(request_ids)
+        states = self.states
+        rows = np.fromiter((states[r].row for r in request_ids), np.int64, num_reqs)
+        num_scheduled = np.fromiter(scheduled.values(), np.int64, num_reqs)
+        batch = self.batch
+        ends = batch.num_computed_tokens[rows] + num_scheduled
+        carried = np.flatnonzero(ends > batch.num_tokens[rows])
+        carried_src = self._last_sample_index[rows[carried]]
+        if len(carried) and ((carried_src < 0).any()
+                             or batch.needs_known_outputs(rows[carried]).any()):
             self._read_all_steps()
-            num_known = np.fromiter((len(s.token_ids) for s in states), np.int64, num_reqs)
-            carried = np.flatnonzero(ends > num_known)
-        if len(carried) and int((ends - num_known)[carried].max()) > 1:
+            carried = np.flatnonzero(ends > batch.num_tokens[rows])
+            carried_src = self._last_sample_index[rows[carried]]
+        if len(carried) and int((ends - batch.num_tokens[rows])[carried].max()) > 1:
             raise RuntimeError("a step needs more than one token the host has not seen")
-        carried_src = np.empty(len(carried), dtype=np.int64)
-        if len(carried):
-            assert self._last_sampled is not None
-            sampled_rows = self._last_sampled[1]
-            carried_src[:] = [sampled_rows[request_ids[i]] for i in carried]
-        rows = np.fromiter((s.row for s in states), np.int64, num_reqs)
-        # a carried token is a 0 here, overwritten on the device
-        token_chunks = [s.token_ids[s.num_computed_tokens:end] for s, end in zip(
-            states, ends.tolist(), strict=True)]
-        for i in carried:
-            token_chunks[i] = [*token_chunks[i], 0]
+        lora_int_ids = None
+        if self.lora_manager is not None:
+            lora_int_ids = [states[r].lora_int_id for r in request_ids]
         decode_size = token_size = None
         padded_num_reqs, padded_num_tokens = num_reqs, int(num_scheduled.sum())
         # graphs hold the base model only: a step with an adapter runs eagerly
-        if self.graphs is not None and not any(s.lora_int_id for s in states):
+        if self.graphs is not None and not (lora_int_ids and any(lora_int_ids)):
             if int(num_scheduled.max()) == 1:
                 decode_size = self.graphs.decode_size(num_reqs)
             if decode_size is not None:
@@ -427,11 +419,8 @@ class ModelRunner:
                 token_size = self.graphs.token_size(padded_num_tokens)
                 if token_size is not None:
                     padded_num_reqs, padded_num_tokens = self.buffers.max_num_reqs, token_size
-        host = self.buffers.fill(
-            token_chunks, num_computed, num_scheduled, np.maximum(num_known, ends), rows,
-            self.block_tables, self.block_size, padded_num_reqs, padded_num_tokens, carried,
-            carried_src,
-        )
+        host = self.buffers.fill(batch, rows, num_scheduled, self.block_size, padded_num_reqs,
+                                 padded_num_tokens, carried, carried_src)
         b = self.buffers
         if host.num_carried:
             assert self._last_sampled is not None
@@ -451,15 +440,42 @@ class ModelRunner:
         )
         return StepInputs(
             request_ids=request_ids,
+            rows=rows,
+            num_scheduled=num_scheduled,
+            lora_int_ids=lora_int_ids,
             input_ids=b.input_ids[: host.num_tokens],
             positions=b.positions[: host.num_tokens],
             metadata=metadata,
-            sample_request_ids=[request_ids[i] for i in host.sample_rows],
+            sample_indices=host.sample_rows,
+            sample_request_ids=list(map(request_ids.__getitem__, host.sample_rows.tolist())),
             logits_indices=b.logits_indices[: len(host.sample_rows)],
             decode_graph_size=decode_size,
             token_graph_size=token_size,
             num_padding_tokens=padded_num_tokens - host.num_tokens,
         )
+
+    def _sampling_batch(self, inputs: StepInputs, sample_rows: np.ndarray) -> SamplingBatch:
+        """The sampling settings of the requests that sample, from their batch rows."""
+        batch = self.batch
+        prompts = outputs = None
+        row_list = sample_rows.tolist()
+        # only penalties read the token ids: the rest skip the copy
+        if batch.sampling.has_penalties(sample_rows).any():
+            prompts = [batch.prompt_token_ids(r) for r in row_list]
+            outputs = [batch.output_token_ids(r) for r in row_list]
+        forbidden: list[tuple[int, int]] = []
+        num_outputs = batch.num_tokens[sample_rows] - batch.num_prompt_tokens[sample_rows]
+        for i in np.flatnonzero(num_outputs < batch.min_tokens[sample_rows]).tolist():
+            params = self.states[inputs.sample_request_ids[i]].sampling_params
+            forbidden += [(i, token_id) for token_id in forbidden_token_ids(
+                params, int(num_outputs[i]), (), self.model_config.vocab_size)]
+        generators = {}
+        if self._generators:
+            index = {row: i for i, row in enumerate(row_list)}
+            generators = {index[row]: generator for row, generator in self._generators.items()
+                          if row in index}
+        return SamplingBatch.from_rows(batch.sampling.take(sample_rows), prompts, outputs,
+                                       forbidden, generators, self.device)
 
     # ------------------------------------------------------------ step
 
@@ -471,23 +487,12 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
-        states = [self.states[r] for r in inputs.sample_request_ids]
+        sample_rows = inputs.rows[inputs.sample_indices]
         # built before the forward is queued: its small host-to-device copies
         # would otherwise wait for the whole forward to finish
-        batch = SamplingBatch.build(
-            [s.sampling_params for s in states],
-            [s.prompt_token_ids for s in states],
-            # only penalties and min_tokens read the outputs: the rest skip the copy
-            [s.output_token_ids if s.reads_outputs else () for s in states],
-            [s.generator for s in states],
-            self.model_config.vocab_size,
-            self.device,
-        ) if states else None
-        if self.lora_manager is not None:
-            self.lora_manager.set_batch(
-                [self.states[r].lora_int_id for r in inputs.request_ids],
-                [scheduler_output.num_scheduled_tokens[r] for r in inputs.request_ids],
-            )
+        batch = self._sampling_batch(inputs, sample_rows) if len(sample_rows) else None
+        if self.lora_manager is not None and inputs.lora_int_ids is not None:
+            self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist())
         start = self._mark()
         if inputs.decode_graph_size is not None and self.graphs is not None:
             logits = self.graphs.replay_decode(inputs.decode_graph_size)[inputs.logits_indices]
@@ -497,21 +502,24 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
             logits = None
-        for request_id in inputs.request_ids:
-            state = self.states[request_id]
-            state.num_computed_tokens += scheduler_output.num_scheduled_tokens[request_id]
+        self.batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
         sampled = None
+        if self._last_sampled is not None:
+            self._last_sample_index[self._last_sampled[1]] = -1
         self._last_sampled = None
         if batch is not None:
             if logits is None:
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])
             sampled = self.sampler(logits, batch)
-            self._last_sampled = (sampled.sampled_token_ids,
-                                  {s.request_id: i for i, s in enumerate(states)})
+            self._last_sampled = (sampled.sampled_token_ids, sample_rows)
+            self._last_sample_index[sample_rows] = np.arange(len(sample_rows))
         host_tensors = self._copy_to_host(sampled)
         graphed = inputs.decode_graph_size is not None or inputs.token_graph_size is not None
-        step = PendingStep(states, host_tensors, start, self._mark(), self._read_oldest_step,
-                           graphed, inputs.num_padding_tokens)
+        step = PendingStep(inputs.sample_request_ids, sample_rows,
+                           self.batch.generation[sample_rows],
+                           self.batch.sampling.num_logprobs[sample_rows], host_tensors, start,
+                           self._mark(), self._read_oldest_step, graphed,
+                           inputs.num_padding_tokens)
         self._unread.append(step)
         return step
 
@@ -560,24 +568,21 @@ class ModelRunner:
         step.output = output
         if not step.host_tensors:
             return
-        token_ids = step.host_tensors[0].tolist()
-        logprob_rows = None
-        if len(step.host_tensors) > 1:
-            ids, values = step.host_tensors[1].tolist(), step.host_tensors[2].tolist()
-            ranks = (step.host_tensors[3].tolist() if len(step.host_tensors) > 3
-                     else [0] * len(step.states))
-            logprob_rows = (ids, values, ranks)
-        for i, state in enumerate(step.states):
-            token_id = int(token_ids[i])
-            state.token_ids.append(token_id)
-            output.sampled_token_ids[state.request_id] = [token_id]
-            num_logprobs = state.sampling_params.logprobs
-            if logprob_rows is not None and num_logprobs is not None:
-                ids, values, ranks = logprob_rows
-                output.logprobs[state.request_id] = [
-                    Logprobs(
-                        token_ids=ids[i][: num_logprobs + 1],
-                        logprobs=values[i][: num_logprobs + 1],
-                        sampled_rank=int(ranks[i]),
-                    )
-                ]
+        token_ids = step.host_tensors[0].numpy()
+        written = self.batch.generation[step.rows] == step.generations
+        self.batch.append_tokens(step.rows[written], token_ids[written])
+        output.sampled_token_ids = {
+            request_id: [token_id]
+            for request_id, token_id in zip(step.request_ids, token_ids.tolist(), strict=True)
+        }
+        if len(step.host_tensors) == 1:
+            return
+        ids, values = step.host_tensors[1].tolist(), step.host_tensors[2].tolist()
+        ranks = (step.host_tensors[3].tolist() if len(step.host_tensors) > 3
+                 else [0] * len(step.request_ids))
+        for i in np.flatnonzero(step.num_logprobs >= 0).tolist():
+            num = int(step.num_logprobs[i]) + 1
+            output.logprobs[step.request_ids[i]] = [
+                Logprobs(token_ids=ids[i][:num], logprobs=values[i][:num],
+                         sampled_rank=int(ranks[i]))
+            ]

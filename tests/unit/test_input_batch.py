@@ -1,4 +1,4 @@
-"""The runner's persistent step inputs: ``BlockTables`` rows updated by diffs,
+"""The runner's persistent step inputs: ``PersistentBatch`` rows updated by diffs,
 ``StepBuffers.fill`` against a plain per-token construction (including the
 padding rows a CUDA graph replays), and the decode-graph path of the runner
 (padded batch, ``max_seq_len = max_model_len``, logits of every row) giving
@@ -19,24 +19,35 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import SchedulerConfig
 from kvserve.engine.args import EngineArgs, default_cuda_graph_sizes
 from kvserve.worker.cuda_graph import CudaGraphs
-from kvserve.worker.input_batch import BlockTables, StepBuffers
+from kvserve.worker.input_batch import PersistentBatch, StepBuffers
 from kvserve.worker.model_runner import largest_step_query_lens
 
 
-def test_block_tables_rows_are_reused_and_bounded() -> None:
-    tables = BlockTables(max_num_reqs=2, max_blocks_per_req=3)
-    a = tables.add([5, 6])
-    b = tables.add([7])
+def test_batch_rows_are_reused_and_bounded() -> None:
+    batch = PersistentBatch(max_num_reqs=2, max_model_len=6, max_blocks_per_req=3, vocab_size=50)
+    a = batch.add([1, 2, 3], 2, 0, [5, 6], SamplingParams(temperature=0.0, min_tokens=4))
+    b = batch.add([4], 1, 0, [7], SamplingParams(top_k=3, presence_penalty=0.5))
     assert a != b
-    tables.append(b, [8, 9])
-    assert tables.table[b].tolist() == [7, 8, 9] and tables.num_blocks[b] == 3
+    batch.append_blocks(b, [8, 9])
+    assert batch.block_table[b].tolist() == [7, 8, 9] and batch.num_blocks[b] == 3
     with pytest.raises(RuntimeError, match="at most 3"):
-        tables.append(a, [1, 2])
+        batch.append_blocks(a, [1, 2])
     with pytest.raises(RuntimeError, match="rows are in use"):
-        tables.add([1])
-    tables.free(a)
-    assert tables.add([4]) == a
-    assert tables.table[a, 0] == 4 and tables.num_blocks[a] == 1
+        batch.add([1], 1, 0, [1], SamplingParams())
+    batch.append_tokens(np.array([b, a]), np.array([40, 30]))
+    assert batch.prompt_token_ids(a) == [1, 2] and batch.output_token_ids(a) == [3, 30]
+    assert batch.output_token_ids(b) == [40]
+    # a: below min_tokens; b: a penalty
+    assert batch.needs_known_outputs(np.array([a, b])).tolist() == [True, True]
+    assert bool(batch.sampling.greedy[a]) and batch.sampling.top_k[b] == 3
+    generation = batch.generation[a]
+    batch.free(a)
+    assert batch.generation[a] == generation + 1
+    with pytest.raises(RuntimeError, match="max_model_len=6"):
+        batch.add(list(range(7)), 7, 0, [4], SamplingParams())
+    assert batch.add([9], 1, 0, [4], SamplingParams()) == a
+    assert batch.block_table[a, 0] == 4 and batch.num_blocks[a] == 1
+    assert batch.needs_known_outputs(np.array([a])).tolist() == [False]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -44,8 +55,11 @@ def test_fill_matches_per_token_construction(seed: int) -> None:
     rng = random.Random(seed)
     block_size = rng.choice([1, 4, 16])
     max_blocks, max_reqs = 12, 8
-    tables = BlockTables(max_reqs, max_blocks)
+    batch = PersistentBatch(max_reqs, block_size * max_blocks, max_blocks, vocab_size=10_000)
     buffers = StepBuffers(256, max_reqs, max_blocks, torch.device("cpu"))
+    # rows in use before the step, so the step's requests are not rows 0, 1, ...
+    for _ in range(rng.randint(0, 2)):
+        batch.add([1], 1, 0, [1], SamplingParams())
     num_reqs = rng.randint(1, 6)
     decode = seed % 2 == 0
     chunks, computed, scheduled, totals, rows, blocks = [], [], [], [], [], []
@@ -54,9 +68,9 @@ def test_fill_matches_per_token_construction(seed: int) -> None:
         done = total - 1 if decode else rng.randint(0, total - 1)
         n = 1 if decode else rng.randint(1, total - done)
         ids = rng.sample(range(1, 1000), -(-(done + n) // block_size))
-        row = tables.add(ids[:1])
-        tables.append(row, ids[1:])
         tokens = [rng.randrange(10_000) for _ in range(total)]
+        row = batch.add(tokens, 1, done, ids[:1], SamplingParams())
+        batch.append_blocks(row, ids[1:])
         chunks.append(tokens[done:done + n])
         computed.append(done)
         scheduled.append(n)
@@ -66,8 +80,8 @@ def test_fill_matches_per_token_construction(seed: int) -> None:
     # decode graphs pad one token per padding request; token graphs pad both freely
     padded = num_reqs + rng.randint(0, 2)
     token_pad = padded - num_reqs if decode else rng.randint(0, 5)
-    host = buffers.fill(chunks, np.array(computed), np.array(scheduled), np.array(totals),
-                        np.array(rows), tables, block_size, padded, sum(scheduled) + token_pad)
+    host = buffers.fill(batch, np.array(rows), np.array(scheduled), block_size, padded,
+                        sum(scheduled) + token_pad)
 
     exp_ids, exp_pos, exp_slots, exp_logits, exp_sample = [], [], [], [], []
     for i in range(num_reqs):
