@@ -63,9 +63,13 @@ class KVCacheManager:
         computed = new_computed_blocks or []
         held = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
-        if not computed and num_computed + num_new_tokens <= len(held) * self.block_size:
-            # the common decode step: the blocks held already have room
-            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        end = num_computed + num_new_tokens
+        if not computed and end <= len(held) * self.block_size:
+            # the common decode step: the blocks held already have room, and
+            # (15 steps in 16) no block fills up
+            if (self.enable_caching and end // self.block_size
+                    > self._num_hashed_blocks.get(request.request_id, 0)):
+                self._cache_full_blocks(request, end)
             return []
         num_needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(held) - len(
             computed

@@ -106,6 +106,11 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
         self.times = RequestTimes(arrival_s=self.arrival_s)
+        # every token id that ends the request once it has min_tokens outputs:
+        # its stop ids and, unless ignored, the EOS ids (see ``check_stop``)
+        params = self.sampling_params
+        self.stop_token_set = frozenset(params.stop_token_ids or ()).union(
+            () if params.ignore_eos else self.eos_token_ids)
 
     @property
     def num_tokens(self) -> int:

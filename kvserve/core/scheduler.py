@@ -67,6 +67,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         # requests whose full data the runner must get at their next scheduling
         self._send_whole: set[str] = set()
+        # requests given an output placeholder by the step being scheduled
+        self._sampling: set[str] = set()
         self.num_preemptions = 0
 
     # ---------------------------------------------------------------- admission
@@ -140,12 +142,7 @@ class Scheduler:
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
-        requests = self.requests
-        for request_id in out.num_scheduled_tokens:
-            request = requests[request_id]
-            if (request.num_computed_tokens
-                    == len(request.all_token_ids) + request.num_output_placeholders):
-                request.num_output_placeholders += 1  # this step samples its next token
+        self._sampling.clear()
         return out
 
     @staticmethod
@@ -161,13 +158,16 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
+        allocate_slots = self.kv_manager.allocate_slots
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(self._num_tokens_to_compute(request), budget)
+            num_new = self._num_tokens_to_compute(request)
             if num_new == 0:
                 index += 1
                 continue
-            new_blocks = self.kv_manager.allocate_slots(request, num_new)
+            if num_new > budget:
+                num_new = budget
+            new_blocks = allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < index:
@@ -251,7 +251,11 @@ class Scheduler:
         elif new_blocks:
             out.new_block_ids[request_id] = [block.block_id for block in new_blocks]
         out.num_scheduled_tokens[request_id] = num_new
-        request.num_computed_tokens += num_new
+        num_computed = request.num_computed_tokens + num_new
+        request.num_computed_tokens = num_computed
+        if num_computed == len(request.all_token_ids) + request.num_output_placeholders:
+            request.num_output_placeholders += 1  # this step samples its next token
+            self._sampling.add(request_id)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -262,6 +266,9 @@ class Scheduler:
         """Free the victim's blocks and requeue it; returns budget given back."""
         self.running.remove(victim)
         given_back = out.num_scheduled_tokens.pop(victim.request_id, 0)
+        if victim.request_id in self._sampling:  # it samples nothing after all
+            self._sampling.discard(victim.request_id)
+            victim.num_output_placeholders -= 1
         out.new_requests = [r for r in out.new_requests if r.request_id != victim.request_id]
         out.new_block_ids.pop(victim.request_id, None)
         self.kv_manager.free(victim)

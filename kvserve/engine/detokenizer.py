@@ -120,7 +120,7 @@ class IncrementalDetokenizer:
         string is held back.
         """
         end = len(self.output_text)
-        if not self.finished:
+        if self.stops and not self.finished:
             end -= partial_stop_length(self.output_text, self.stops)
         if end <= self._num_sent_chars:
             return ""
@@ -139,6 +139,8 @@ class IncrementalDetokenizer:
 
     def _decode_new_text(self, force: bool) -> str:
         """Text of the tokens from read_offset on; "" while it is incomplete."""
+        if self._read_offset == len(self._token_ids):
+            return ""  # no new tokens (flush after the last one was decoded)
         skip = self.params.skip_special_tokens
         window = self._token_ids[self._prefix_offset :]
         num_prefix = self._read_offset - self._prefix_offset

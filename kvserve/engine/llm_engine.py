@@ -44,6 +44,9 @@ class _Sample:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # final_only with no stop strings to watch: the text is decoded once,
+    # when the sample finishes
+    decode_at_end: bool = False
 
 
 @dataclass
@@ -75,7 +78,7 @@ class LLMEngine:
         self.max_model_len = config.scheduler_config.max_model_len
         self.eos_token_ids = self._eos_token_ids()
         self._tracked: dict[str, _Tracked] = {}
-        self._core_to_user: dict[str, tuple[str, int]] = {}
+        self._core_to_sample: dict[str, tuple[_Tracked, _Sample]] = {}
         self._counter = itertools.count()
         self.step_s = 0.0  # wall time spent in step()
 
@@ -178,8 +181,9 @@ class LLMEngine:
             core_id = request_id if params.n == 1 else f"{request_id}#{index}"
             core_requests.append(Request(core_id, token_ids, child, self.eos_token_ids, priority,
                                          lora_int_id=lora_int_id))
-            samples.append(_Sample(index, core_id,
-                                   IncrementalDetokenizer(self.tokenizer, token_ids, child)))
+            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, child)
+            samples.append(_Sample(index, core_id, detokenizer,
+                                   decode_at_end=final_only and not detokenizer.stops))
         added: list[str] = []
         try:
             for core_request in core_requests:
@@ -188,12 +192,13 @@ class LLMEngine:
         except ValueError:
             self.core.abort_requests(added)
             raise
-        self._tracked[request_id] = _Tracked(
+        tracked = _Tracked(
             request_id, text, token_ids, params, samples,
             RequestMetrics(arrival_s=core_requests[0].arrival_s), final_only,
         )
+        self._tracked[request_id] = tracked
         for sample in samples:
-            self._core_to_user[sample.core_request_id] = (request_id, sample.index)
+            self._core_to_sample[sample.core_request_id] = (tracked, sample)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -213,16 +218,28 @@ class LLMEngine:
         """Run one engine step; one output per user request that changed."""
         start = time.perf_counter()
         core_outputs = self.core.step()
+        # user request id -> this step's (delta text, delta ids) by sample index
         changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
         stopped: list[str] = []
         now = time.monotonic()
+        core_to_sample = self._core_to_sample
         for core_output in core_outputs:
-            user_id, index = self._core_to_user[core_output.request_id]
-            tracked = self._tracked[user_id]
-            sample = tracked.samples[index]
-            self._update_metrics(tracked, core_output, now)
-            delta = self._process(tracked, sample, core_output, stopped)
-            changed.setdefault(user_id, {})[index] = delta
+            tracked, sample = core_to_sample[core_output.request_id]
+            metrics = tracked.metrics
+            if metrics.first_token_s is None:
+                self._record_first_token(metrics, core_output, now)
+            metrics.last_token_s = now
+            new_ids = core_output.new_token_ids
+            sample.token_ids.extend(new_ids)
+            if core_output.new_logprobs is not None:
+                self._append_logprobs(sample, core_output)
+            if sample.decode_at_end and core_output.finish_reason is None:
+                continue  # nothing to decode or report before it finishes
+            delta_text = self._detokenize(sample, core_output, stopped)
+            # a final_only request is reported only when it finishes, so its
+            # samples still running have nothing to report
+            if sample.finish_reason is not None or not tracked.final_only:
+                changed.setdefault(tracked.request_id, {})[sample.index] = (delta_text, new_ids)
         if stopped:
             self.core.finish_stopped(stopped)
         results = []
@@ -230,29 +247,19 @@ class LLMEngine:
             tracked = self._tracked[user_id]
             finished = tracked.finished
             if finished or not tracked.final_only:
-                results.append(self._make_output(tracked, deltas))
+                results.append(self._make_output(tracked, deltas, finished))
             if finished:
                 self._forget(tracked)
         self.step_s += time.perf_counter() - start
         return results
 
-    def _process(
-        self,
-        tracked: _Tracked,
-        sample: _Sample,
-        core_output: EngineCoreOutput,
-        stopped: list[str],
-    ) -> tuple[str, list[int]]:
-        new_ids = core_output.new_token_ids
-        sample.token_ids.extend(new_ids)
-        if core_output.new_logprobs is not None:
-            self._append_logprobs(sample, core_output)
+    def _detokenize(
+        self, sample: _Sample, core_output: EngineCoreOutput, stopped: list[str]
+    ) -> str:
+        """Decode a sample's new tokens, ending it at a stop string; the new text."""
         detokenizer = sample.detokenizer
-        to_decode = new_ids
-        if tracked.final_only and not detokenizer.stops:
-            if core_output.finish_reason is None:
-                return "", new_ids
-            to_decode = sample.token_ids  # the whole completion, decoded once
+        # with decode_at_end the sample has finished: decode the whole completion
+        to_decode = sample.token_ids if sample.decode_at_end else core_output.new_token_ids
         # a stop token's own text is left out of the output, as vLLM does
         stop_string = detokenizer.update(
             to_decode, stop_terminated=core_output.finish_reason == "stop"
@@ -265,21 +272,16 @@ class LLMEngine:
         elif core_output.finish_reason is not None:
             sample.finish_reason = core_output.finish_reason
             sample.stop_reason = core_output.stop_reason
-        delta_text = (sample.detokenizer.flush() if sample.finish_reason is not None
-                      else sample.detokenizer.get_delta())
-        return delta_text, new_ids
+        return detokenizer.flush() if sample.finish_reason is not None else detokenizer.get_delta()
 
-    def _update_metrics(
-        self, tracked: _Tracked, core_output: EngineCoreOutput, now: float
+    def _record_first_token(
+        self, metrics: RequestMetrics, core_output: EngineCoreOutput, now: float
     ) -> None:
-        metrics = tracked.metrics
-        if metrics.first_token_s is None:
-            metrics.first_token_s = now
-            metrics.num_cached_tokens = core_output.num_cached_tokens
-            request = self.core.get_request(core_output.request_id)
-            if request is not None:
-                metrics.first_scheduled_s = request.times.first_scheduled_s
-        metrics.last_token_s = now
+        metrics.first_token_s = now
+        metrics.num_cached_tokens = core_output.num_cached_tokens
+        request = self.core.get_request(core_output.request_id)
+        if request is not None:
+            metrics.first_scheduled_s = request.times.first_scheduled_s
 
     def _append_logprobs(self, sample: _Sample, core_output: EngineCoreOutput) -> None:
         if sample.logprobs is None:
@@ -295,7 +297,7 @@ class LLMEngine:
             sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entry.logprobs[0]
 
     def _make_output(
-        self, tracked: _Tracked, deltas: dict[int, tuple[str, list[int]]]
+        self, tracked: _Tracked, deltas: dict[int, tuple[str, list[int]]], finished: bool
     ) -> RequestOutput:
         completions = []
         for sample in tracked.samples:
@@ -313,26 +315,26 @@ class LLMEngine:
                     delta_token_ids=list(delta_ids),
                 )
             )
-        if tracked.finished:
+        if finished:
             tracked.metrics.finished_s = time.monotonic()
         return RequestOutput(
             request_id=tracked.request_id,
             prompt=tracked.prompt,
             prompt_token_ids=tracked.prompt_token_ids,
             outputs=completions,
-            finished=tracked.finished,
+            finished=finished,
             metrics=tracked.metrics,
         )
 
     def _finish_output(self, tracked: _Tracked) -> RequestOutput:
-        output = self._make_output(tracked, {})
+        output = self._make_output(tracked, {}, finished=True)
         self._forget(tracked)
         return output
 
     def _forget(self, tracked: _Tracked) -> None:
         self._tracked.pop(tracked.request_id, None)
         for sample in tracked.samples:
-            self._core_to_user.pop(sample.core_request_id, None)
+            self._core_to_sample.pop(sample.core_request_id, None)
 
     # ------------------------------------------------------------ state
 

@@ -185,6 +185,9 @@ class StepBuffers:
         self.input_ids_cpu, self.input_ids = host["input_ids"], dev["input_ids"]
         self.positions_cpu, self.positions = host["positions"], dev["positions"]
         self.slot_mapping_cpu, self.slot_mapping = host["slot_mapping"], dev["slot_mapping"]
+        # numpy views of the host side, made once (``Tensor.numpy`` costs µs a call)
+        self._np = {name: tensor.numpy() for name, tensor in host.items()}
+        self._np["block_table"] = self.block_table_cpu.numpy()
         # the last step's host-to-device copies: the host side may be rewritten
         # only once they are done (a step that samples nothing does not sync)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
@@ -224,11 +227,11 @@ class StepBuffers:
             )
         num_computed = batch.num_computed_tokens[rows]
         ends = num_computed + num_scheduled
-        query_start_loc = self.query_start_loc_cpu.numpy()[: padded_num_reqs + 1]
+        query_start_loc = self._np["query_start_loc"][: padded_num_reqs + 1]
         query_start_loc[0] = 0
         query_start_loc[1 : num_reqs + 1] = cu
         query_start_loc[num_reqs + 1 :] = num_tokens
-        seq_lens = self.seq_lens_cpu.numpy()[:padded_num_reqs]
+        seq_lens = self._np["seq_lens"][:padded_num_reqs]
         seq_lens[:num_reqs] = ends
         seq_lens[num_reqs:] = 0
 
@@ -241,28 +244,28 @@ class StepBuffers:
             positions = (np.arange(num_tokens) - np.repeat(cu - num_scheduled, num_scheduled)
                          + num_computed[token_req])
         block_ids = batch.block_table[token_rows, positions // block_size]
-        slot_mapping = self.slot_mapping_cpu.numpy()[:padded_num_tokens]
+        slot_mapping = self._np["slot_mapping"][:padded_num_tokens]
         slot_mapping[:num_tokens] = block_ids.astype(np.int64) * block_size + positions % block_size
         slot_mapping[num_tokens:] = -1
-        positions_out = self.positions_cpu.numpy()[:padded_num_tokens]
+        positions_out = self._np["positions"][:padded_num_tokens]
         positions_out[:num_tokens] = positions
         positions_out[num_tokens:] = 0
-        input_ids = self.input_ids_cpu.numpy()[:padded_num_tokens]
+        input_ids = self._np["input_ids"][:padded_num_tokens]
         input_ids[:num_tokens] = batch.token_ids[token_rows, positions]
         input_ids[num_tokens:] = 0
 
         max_blocks = int(batch.num_blocks[rows].max())
-        block_table = self.block_table_cpu.numpy()
+        block_table = self._np["block_table"]
         block_table[:num_reqs, :max_blocks] = batch.block_table[rows, :max_blocks]
 
         # a request samples once its tokens are all computed (a carried one's too)
         sample_rows = np.flatnonzero(ends >= batch.num_tokens[rows])
-        logits_indices = self.logits_indices_cpu.numpy()[: len(sample_rows)]
+        logits_indices = self._np["logits_indices"][: len(sample_rows)]
         logits_indices[:] = cu[sample_rows] - 1
 
         num_carried = 0 if carried_reqs is None else len(carried_reqs)
         if num_carried:
-            carry = self.carry_cpu.numpy()
+            carry = self._np["carry"]
             carry[0, :num_carried] = cu[carried_reqs] - 1
             carry[1, :num_carried] = carried_src
 
