@@ -125,7 +125,6 @@ class Scheduler:
             self.waiting.remove(request)
 
     def _free(self, request: Request) -> None:
-        request.times.finished_s = time.monotonic()
         self.kv_manager.free(request)
         del self.requests[request.request_id]
         self._send_whole.discard(request.request_id)
@@ -184,7 +183,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        running_loras = {r.lora_int_id for r in self.running if r.lora_int_id}
+        running_loras = ({r.lora_int_id for r in self.running if r.lora_int_id}
+                         if self.max_loras and self.waiting else set())
         index = 0
         while (index < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
@@ -288,7 +288,6 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, free finished requests."""
         outputs = []
-        now = time.monotonic()
         requests = self.requests
         max_model_len = self.config.max_model_len
         logprobs = runner_output.logprobs
@@ -306,10 +305,6 @@ class Scheduler:
                     new_tokens = token_ids[: i + 1]
                     stopped = True
                     break
-            times = request.times
-            if times.first_token_s is None:
-                times.first_token_s = now
-            times.last_token_s = now
             output = EngineCoreOutput(
                 request_id=request_id,
                 new_token_ids=new_tokens,

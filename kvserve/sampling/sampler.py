@@ -61,18 +61,15 @@ class SamplingRows:
 
     Greedy rows hold the neutral values (temperature 1.0, top-k/top-p/min-p
     off), so a column is "used" exactly when some row differs from neutral.
+    The float columns are the rows of one array (``FLOAT_COLUMNS`` order), so
+    a step takes and checks them all in one numpy call each.
     """
 
     def __init__(self, num_rows: int, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.greedy = np.zeros(num_rows, dtype=bool)
-        self.temperature = np.ones(num_rows, dtype=np.float32)
+        self.floats = np.repeat(_NEUTRAL[:, None], num_rows, axis=1)
         self.top_k = np.full(num_rows, vocab_size, dtype=np.int64)  # vocab_size: off
-        self.top_p = np.ones(num_rows, dtype=np.float32)
-        self.min_p = np.zeros(num_rows, dtype=np.float32)
-        self.presence_penalty = np.zeros(num_rows, dtype=np.float32)
-        self.frequency_penalty = np.zeros(num_rows, dtype=np.float32)
-        self.repetition_penalty = np.ones(num_rows, dtype=np.float32)
         self.num_logprobs = np.full(num_rows, -1, dtype=np.int64)  # -1: none wanted
 
     @classmethod
@@ -86,27 +83,31 @@ class SamplingRows:
     def set(self, row: int, params: SamplingParams) -> None:
         greedy = params.is_greedy
         self.greedy[row] = greedy
-        self.temperature[row] = 1.0 if greedy else params.temperature
+        self.floats[:, row] = (
+            1.0 if greedy else params.temperature,
+            1.0 if greedy else params.top_p,
+            0.0 if greedy else params.min_p,
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+        )
         self.top_k[row] = (params.top_k if 0 < params.top_k < self.vocab_size and not greedy
                            else self.vocab_size)
-        self.top_p[row] = 1.0 if greedy else params.top_p
-        self.min_p[row] = 0.0 if greedy else params.min_p
-        self.presence_penalty[row] = params.presence_penalty
-        self.frequency_penalty[row] = params.frequency_penalty
-        self.repetition_penalty[row] = params.repetition_penalty
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
 
     def has_penalties(self, rows: np.ndarray | slice = _ALL) -> np.ndarray:
         """Per row of ``rows``: whether any penalty is on (sampling reads its outputs)."""
-        return ((self.presence_penalty[rows] != 0.0) | (self.frequency_penalty[rows] != 0.0)
-                | (self.repetition_penalty[rows] != 1.0))
+        penalties = self.floats[3:, rows]
+        return (penalties != _NEUTRAL[3:, None]).any(axis=0)
 
     def take(self, rows: np.ndarray) -> SamplingRows:
         """The settings of ``rows``, in that order."""
         taken = SamplingRows.__new__(SamplingRows)
         taken.vocab_size = self.vocab_size
-        for name in _COLUMNS:
-            setattr(taken, name, getattr(self, name)[rows])
+        taken.greedy = self.greedy[rows]
+        taken.floats = self.floats[:, rows]
+        taken.top_k = self.top_k[rows]
+        taken.num_logprobs = self.num_logprobs[rows]
         return taken
 
     @property
@@ -114,8 +115,10 @@ class SamplingRows:
         return len(self.greedy)
 
 
-_COLUMNS = ("greedy", "temperature", "top_k", "top_p", "min_p", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "num_logprobs")
+FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
+# each float column's "off" value (the penalties' rows: 3 and after)
+_NEUTRAL = np.array([1.0, 1.0, 0.0, 0.0, 0.0, 1.0], dtype=np.float32)
 
 
 @dataclass
@@ -221,26 +224,20 @@ class SamplingBatch:
         all_greedy = bool(rows.greedy.all())
         all_random = not rows.greedy.any()
         use_top_k = bool((rows.top_k != vocab_size).any())
+        used = (rows.floats != _NEUTRAL[:, None]).any(axis=1)
+        used[0] = not all_greedy  # temperatures divide every random row, 1.0 or not
         # every float column in use goes to the device in one copy
-        floats = {name: getattr(rows, name) for name, used in (
-            ("temperature", not all_greedy),
-            ("top_p", bool((rows.top_p < 1.0).any())),
-            ("min_p", bool((rows.min_p > 0.0).any())),
-            ("presence_penalty", bool((rows.presence_penalty != 0.0).any())),
-            ("frequency_penalty", bool((rows.frequency_penalty != 0.0).any())),
-            ("repetition_penalty", bool((rows.repetition_penalty != 1.0).any())),
-        ) if used}
-        tensors: dict[str, torch.Tensor | None] = dict.fromkeys(_COLUMNS[1:8])
-        if floats:
-            stacked = to_device(np.stack(list(floats.values())), torch.float32, device)
-            tensors.update(zip(floats, stacked.unbind(0), strict=True))
+        tensors: dict[str, torch.Tensor | None] = dict.fromkeys(FLOAT_COLUMNS)
+        if used.any():
+            stacked = to_device(rows.floats[used], torch.float32, device)
+            names = [name for name, on in zip(FLOAT_COLUMNS, used.tolist(), strict=True) if on]
+            tensors.update(zip(names, stacked.unbind(0), strict=True))
         counts = prompt_mask = None
-        if "presence_penalty" in floats or "frequency_penalty" in floats or (
-                "repetition_penalty" in floats):
+        if used[3:].any():
             if prompt_token_ids is None or output_token_ids is None:
                 raise ValueError("SamplingBatch.from_rows: penalties need the rows' token ids")
             counts = _token_counts(output_token_ids, vocab_size, device)
-            if "repetition_penalty" in floats:
+            if used[5]:
                 prompt_mask = _token_counts(prompt_token_ids, vocab_size, device) > 0
         forbidden_rows = forbidden_ids = None
         if forbidden:

@@ -198,6 +198,7 @@ class ModelRunner:
         self.graphs: CudaGraphs | None = None
         # queued steps whose tokens are not appended to the states yet, oldest first
         self._unread: deque[PendingStep] = deque()
+        self._events: list[torch.cuda.Event] = []  # timing events of steps already read
         # the last step that sampled: its sampled tokens (on the device) and
         # the batch rows that sampled; per batch row, its index in those
         # tokens (-1: none), for tokens the next step must carry
@@ -524,11 +525,12 @@ class ModelRunner:
         return step
 
     def _mark(self) -> Any:
-        """A point in the device's timeline: a recorded CUDA event, or on the
-        CPU (where the forward runs synchronously) the host clock."""
+        """A point in the device's timeline: a recorded CUDA event (reused
+        once its step is read), or on the CPU (where the forward runs
+        synchronously) the host clock."""
         if self.device.type != "cuda":
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
@@ -561,6 +563,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             step.end.synchronize()
             device_s = step.start.elapsed_time(step.end) / 1e3
+            self._events += (step.start, step.end)
         else:
             device_s = step.end - step.start
         output = ModelRunnerOutput(device_s=device_s, graphed=step.graphed,
