@@ -116,6 +116,7 @@ def start(engine_args: EngineArgs, config: EngineConfig) -> OfflineBench:
     """Measure the device's rates in the engine's dtype, then build the engine."""
     import torch
 
+    from kvserve.engine.engine_core import freeze_startup_heap
     from kvserve.engine.llm import LLM
     from kvserve.models.loader import resolve_dtype
     from kvserve.worker.executor import resolve_device
@@ -124,6 +125,7 @@ def start(engine_args: EngineArgs, config: EngineConfig) -> OfflineBench:
     dtype = resolve_dtype(config.dtype, config.model_config, device)
     rates = measure_rates(device, dtype)
     llm = LLM(**dataclasses.asdict(engine_args))
+    freeze_startup_heap()  # the benchmark's process owns the engine
     element_bytes = torch.empty((), dtype=dtype).element_size()
     return OfflineBench(llm=llm, engine_args=engine_args, config=config, device=str(device),
                         dtype=rates.matmul_dtype, rates=rates,

@@ -15,6 +15,7 @@ one step of wasted device work for it.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any, Protocol
 
@@ -121,3 +122,15 @@ class EngineCore:
                 "num_graph_steps": self.num_graph_steps,
                 "num_padding_tokens": self.num_padding_tokens,
                 "device_s": self.device_s, "wait_s": self.wait_s}
+
+
+def freeze_startup_heap() -> None:
+    """Collect, then freeze the garbage collector's heap (``gc.freeze``) so
+    later collections skip everything alive now: the model, tokenizer and
+    start-up objects, some 200K tracked objects with a preset, whose full
+    collection paused a W2 step for 122 ms on an H100 host (vLLM's engine
+    core does the same). Only for a process that owns its engine for life
+    (the server, the benchmarks): a frozen object that later becomes cyclic
+    garbage is never freed, so an in-process ``LLM`` does not call it."""
+    gc.collect()
+    gc.freeze()

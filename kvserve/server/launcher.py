@@ -149,6 +149,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def load() -> Any:
         from kvserve.engine.client import ThreadedEngineClient
+        from kvserve.engine.engine_core import freeze_startup_heap
         from kvserve.engine.llm_engine import LLMEngine
         from kvserve.server.faults import inject_faults
 
@@ -156,6 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
         for lora_request in config.lora_requests:
             engine.add_lora(lora_request)
         inject_faults(engine.core.executor, faults)
+        freeze_startup_heap()
         return engine, ThreadedEngineClient(engine, watchdog_s=watchdog_s)
 
     logging.getLogger("kvserve").setLevel(
