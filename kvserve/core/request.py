@@ -93,6 +93,9 @@ class Request:
     cache_key: int = 0
     # the LoRA adapter the request runs with (0: none); also part of every block hash
     lora_int_id: int = 0
+    # False: the engine wants only the first output and the last (a final-only
+    # request with no stop strings or logprobs), so the steps between report nothing
+    report_every_step: bool = True
     arrival_s: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -101,6 +104,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # -1 until first scheduled
         self.num_output_placeholders = 0
+        self.num_reported_outputs = 0  # output tokens already in an EngineCoreOutput
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

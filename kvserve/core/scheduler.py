@@ -20,6 +20,12 @@ placeholder for the token. A request whose in-flight token is its last
 (``max_tokens``) is not scheduled again; one that turns out to have stopped
 (EOS, stop string) wastes the one step already queued for it.
 
+A request with ``report_every_step`` off (the engine wants its whole
+completion at the end, nothing in between) gets an output at its first token
+(for its time to first token) and when it finishes, with every token since;
+at batch 256 the outputs of the steps between cost the host more than the
+rest of their bookkeeping.
+
 With ``step_token_sizes`` (the token counts the runner has CUDA graphs for)
 the last prompt chunk admitted to a step is trimmed so that the step ends on
 one of them: a padded step would spend a token's matmuls on each padding
@@ -297,14 +303,22 @@ class Scheduler:
                 continue  # finished or aborted while its step was in flight
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
+            all_token_ids = request.all_token_ids
             new_tokens = token_ids
             stopped = False
             for i, token_id in enumerate(token_ids):
-                request.all_token_ids.append(token_id)
+                all_token_ids.append(token_id)
                 if check_stop(request, max_model_len):
                     new_tokens = token_ids[: i + 1]
                     stopped = True
                     break
+            if not request.report_every_step:
+                if request.num_reported_outputs and not stopped:
+                    continue  # reported at its first token and when it finishes
+                # everything since its first token
+                new_tokens = all_token_ids[request.num_prompt_tokens
+                                           + request.num_reported_outputs:]
+                request.num_reported_outputs = len(all_token_ids) - request.num_prompt_tokens
             output = EngineCoreOutput(
                 request_id=request_id,
                 new_token_ids=new_tokens,

@@ -179,11 +179,13 @@ class LLMEngine:
         core_requests = []
         for index, child in enumerate(params.children()):
             core_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            core_requests.append(Request(core_id, token_ids, child, self.eos_token_ids, priority,
-                                         lora_int_id=lora_int_id))
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, child)
-            samples.append(_Sample(index, core_id, detokenizer,
-                                   decode_at_end=final_only and not detokenizer.stops))
+            decode_at_end = final_only and not detokenizer.stops
+            # such a sample needs no per-step outputs unless it collects logprobs
+            core_requests.append(Request(
+                core_id, token_ids, child, self.eos_token_ids, priority, lora_int_id=lora_int_id,
+                report_every_step=not decode_at_end or child.logprobs is not None))
+            samples.append(_Sample(index, core_id, detokenizer, decode_at_end=decode_at_end))
         added: list[str] = []
         try:
             for core_request in core_requests:
@@ -207,6 +209,11 @@ class LLMEngine:
         if tracked is None:
             return None
         core_ids = [s.core_request_id for s in tracked.samples if s.finish_reason is None]
+        for sample in tracked.samples:
+            request = self.core.get_request(sample.core_request_id)
+            if (sample.finish_reason is None and request is not None
+                    and not request.report_every_step):  # its later tokens were not reported
+                sample.token_ids = request.all_token_ids[request.num_prompt_tokens:]
         self.core.abort_requests(core_ids)
         for sample in tracked.samples:
             sample.finish_reason = sample.finish_reason or "abort"

@@ -325,6 +325,31 @@ def test_preemption_gives_identical_outputs(async_scheduling: bool) -> None:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_requests_reporting_first_and_last_only_get_the_same_tokens(
+        async_scheduling: bool) -> None:
+    prompts = {f"r{i}": [3 + (i * 7 + j) % 41 for j in range(5 + 2 * i)] for i in range(5)}
+    # tight: preempted requests resume and still report every token once
+    core = make_core(async_scheduling, num_blocks=12)
+    for i, (request_id, prompt) in enumerate(prompts.items()):
+        request = make_request(request_id, prompt, max_tokens=1 if i == 0 else 20)
+        request.report_every_step = i % 2 == 1  # r0 (one token), r2, r4: first and last only
+        core.add_request(request)
+    reports: dict[str, list[list[int]]] = {}
+    while core.has_unfinished_requests():
+        for core_out in core.step():
+            reports.setdefault(core_out.request_id, []).append(core_out.new_token_ids)
+    assert core.scheduler.num_preemptions > 0
+    for i, (request_id, prompt) in enumerate(prompts.items()):
+        max_tokens = 1 if i == 0 else 20
+        tokens = [t for report in reports[request_id] for t in report]
+        assert tokens == reference_output(prompt, max_tokens)
+        if i % 2 == 0:  # the first token alone, then all the rest at the end
+            assert [len(r) for r in reports[request_id]] == [1, max_tokens - 1][:max_tokens]
+        else:
+            assert len(reports[request_id]) == max_tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_priority_policy_preempts_least_important(async_scheduling: bool) -> None:
     core = make_core(async_scheduling, num_blocks=9, policy="priority",
                      max_num_batched_tokens=64)
