@@ -33,7 +33,6 @@ from kvserve.host_copy import to_device
 # top_p rows keep tokens until the kept mass reaches top_p - this slack, so
 # float32 rounding of softmax/cumsum does not add one more token on exact cuts
 _TOP_P_SLACK = 1e-6
-_ALL = slice(None)
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -95,7 +94,7 @@ class SamplingRows:
                            else self.vocab_size)
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
 
-    def has_penalties(self, rows: np.ndarray | slice = _ALL) -> np.ndarray:
+    def has_penalties(self, rows: np.ndarray) -> np.ndarray:
         """Per row of ``rows``: whether any penalty is on (sampling reads its outputs)."""
         penalties = self.floats[3:, rows]
         return (penalties != _NEUTRAL[3:, None]).any(axis=0)

@@ -128,7 +128,7 @@ class HostStep:
     max_blocks: int  # width of the step's block table: the most blocks a request holds
     query_start_loc: np.ndarray  # [num_reqs + 1] int32
     seq_lens: np.ndarray  # [num_reqs] int32
-    sample_rows: np.ndarray  # [num_sample_reqs] int64: indices of requests that sample
+    sample_indices: np.ndarray  # [num_sample_reqs] int64: indices of requests that sample
     logits_indices: np.ndarray  # [num_sample_reqs] int64: their last token's row
     num_carried: int  # tokens to take from the previous step's sampled tensor
 
@@ -259,9 +259,9 @@ class StepBuffers:
         block_table[:num_reqs, :max_blocks] = batch.block_table[rows, :max_blocks]
 
         # a request samples once its tokens are all computed (a carried one's too)
-        sample_rows = np.flatnonzero(ends >= batch.num_tokens[rows])
-        logits_indices = self._np["logits_indices"][: len(sample_rows)]
-        logits_indices[:] = cu[sample_rows] - 1
+        sample_indices = np.flatnonzero(ends >= batch.num_tokens[rows])
+        logits_indices = self._np["logits_indices"][: len(sample_indices)]
+        logits_indices[:] = cu[sample_indices] - 1
 
         num_carried = 0 if carried_reqs is None else len(carried_reqs)
         if num_carried:
@@ -287,7 +287,7 @@ class StepBuffers:
             max_blocks=max_blocks,
             query_start_loc=query_start_loc[: num_reqs + 1],
             seq_lens=seq_lens[:num_reqs],
-            sample_rows=sample_rows,
+            sample_indices=sample_indices,
             logits_indices=logits_indices,
             num_carried=num_carried,
         )

@@ -102,7 +102,7 @@ def test_fill_matches_per_token_construction(seed: int) -> None:
     assert buffers.query_start_loc[: padded + 1].tolist() == qsl + [n_tok] * pad
     ends = [c + s for c, s in zip(computed, scheduled)]
     assert buffers.seq_lens[:padded].tolist() == ends + [0] * pad
-    assert host.sample_rows.tolist() == exp_sample
+    assert host.sample_indices.tolist() == exp_sample
     assert host.logits_indices.tolist() == exp_logits
     assert host.max_seq_len == max(ends) and host.max_query_len == max(scheduled)
     width = max(len(b) for b in blocks)
