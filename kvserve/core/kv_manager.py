@@ -23,6 +23,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # how many leading blocks of each request are already registered by hash
         self._num_hashed_blocks: dict[str, int] = {}
+        # the most tokens each request may reach with no new block and no newly
+        # full block to register: a step within it changes nothing here
+        self._room: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -60,16 +63,16 @@ class KVCacheManager:
         (plus the cache-hit blocks, for a request being admitted). Returns the
         newly allocated blocks, or None when the pool is too small (nothing
         changes then)."""
+        request_id = request.request_id
+        if (not new_computed_blocks
+                and request.num_computed_tokens + num_new_tokens <= self._room.get(request_id, -1)):
+            return []  # the common decode step (15 in 16 with blocks of 16)
         computed = new_computed_blocks or []
-        held = self.req_to_blocks.get(request.request_id, [])
+        held = self.req_to_blocks.get(request_id, [])
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         end = num_computed + num_new_tokens
         if not computed and end <= len(held) * self.block_size:
-            # the common decode step: the blocks held already have room, and
-            # (15 steps in 16) no block fills up
-            if (self.enable_caching and end // self.block_size
-                    > self._num_hashed_blocks.get(request.request_id, 0)):
-                self._cache_full_blocks(request, end)
+            self._cache_full_blocks(request, end)  # a block fills up: register it
             return []
         num_needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(held) - len(
             computed
@@ -80,29 +83,36 @@ class KVCacheManager:
             return None
         self.pool.touch(computed)
         new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        blocks = self.req_to_blocks.setdefault(request_id, [])
         blocks.extend(computed)
         blocks.extend(new_blocks)
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
+        """Register the blocks this step fills with known tokens, then update
+        the request's room."""
+        request_id = request.request_id
+        num_slots = len(self.req_to_blocks[request_id]) * self.block_size
         if not self.enable_caching:
+            self._room[request_id] = num_slots
             return
         num_full = min(num_tokens_after_step, len(request.all_token_ids)) // self.block_size
-        num_done = self._num_hashed_blocks.get(request.request_id, 0)
-        if num_full <= num_done:
-            return
-        hashes = update_block_hashes(request, self.block_size)
-        blocks = self.req_to_blocks[request.request_id]
-        for i in range(num_done, num_full):
-            self.pool.cache_full_block(blocks[i], hashes[i])
-        self._num_hashed_blocks[request.request_id] = num_full
+        num_done = self._num_hashed_blocks.get(request_id, 0)
+        if num_full > num_done:
+            hashes = update_block_hashes(request, self.block_size)
+            blocks = self.req_to_blocks[request_id]
+            for i in range(num_done, num_full):
+                self.pool.cache_full_block(blocks[i], hashes[i])
+            self._num_hashed_blocks[request_id] = num_done = num_full
+        # the next block to register fills at (num_done + 1) * block_size tokens
+        self._room[request_id] = min(num_slots, (num_done + 1) * self.block_size - 1)
 
     def free(self, request: Request) -> None:
         """Release every block of a request, tail first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_hashed_blocks.pop(request.request_id, None)
+        self._room.pop(request.request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -113,6 +113,8 @@ class Request:
         # every token id that ends the request once it has min_tokens outputs:
         # its stop ids and, unless ignored, the EOS ids (see ``check_stop``)
         params = self.sampling_params
+        # prompt + max_tokens, within max_model_len: set when the scheduler admits it
+        self.max_num_tokens = 0
         self.stop_token_set = frozenset(params.stop_token_ids or ()).union(
             () if params.ignore_eos else self.eos_token_ids)
 

@@ -98,6 +98,7 @@ class Scheduler:
                 f"prompt + max_tokens = {total} tokens needs "
                 f"{self.kv_manager.num_blocks_needed(total)} KV blocks; the pool has {usable}"
             )
+        request.max_num_tokens = total
         self.requests[request.request_id] = request
         self._enqueue(request)
         self._send_whole.add(request.request_id)
@@ -150,32 +151,26 @@ class Scheduler:
         self._sampling.clear()
         return out
 
-    @staticmethod
-    def _num_tokens_to_compute(request: Request) -> int:
-        """Tokens of a running request whose KV is not computed yet, the one in
-        flight included; 0 when that one is its last (``max_tokens``)."""
-        num_tokens = len(request.all_token_ids)  # per request per step: no properties
-        num_placeholders = request.num_output_placeholders
-        if (num_placeholders and num_tokens - request.num_prompt_tokens + num_placeholders
-                >= request.max_tokens):
-            return 0
-        return num_tokens + num_placeholders - request.num_computed_tokens
-
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
+        running = self.running
         allocate_slots = self.kv_manager.allocate_slots
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = self._num_tokens_to_compute(request)
-            if num_new == 0:
-                index += 1
+        while index < len(running) and budget > 0:
+            request = running[index]
+            # the tokens whose KV is not computed yet, the one in flight included
+            # (per request per step: no properties, no calls)
+            num_tokens = len(request.all_token_ids) + request.num_output_placeholders
+            num_new = num_tokens - request.num_computed_tokens
+            if num_new == 0 or (request.num_output_placeholders
+                                and num_tokens >= request.max_num_tokens):
+                index += 1  # nothing to compute, or its token in flight is its last
                 continue
             if num_new > budget:
                 num_new = budget
             new_blocks = allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self._pick_victim()
-                if self.running.index(victim) < index:
+                if running.index(victim) < index:
                     index -= 1  # an already scheduled request gave way
                 budget += self._preempt(victim, out)
                 if victim is request:
@@ -295,7 +290,6 @@ class Scheduler:
         """Append sampled tokens, apply stop rules, free finished requests."""
         outputs = []
         requests = self.requests
-        max_model_len = self.config.max_model_len
         logprobs = runner_output.logprobs
         for request_id, token_ids in runner_output.sampled_token_ids.items():
             request = requests.get(request_id)
@@ -308,7 +302,7 @@ class Scheduler:
             stopped = False
             for i, token_id in enumerate(token_ids):
                 all_token_ids.append(token_id)
-                if check_stop(request, max_model_len):
+                if check_stop(request):
                     new_tokens = token_ids[: i + 1]
                     stopped = True
                     break
