@@ -61,7 +61,10 @@ class SamplingRows:
     Greedy rows hold the neutral values (temperature 1.0, top-k/top-p/min-p
     off), so a column is "used" exactly when some row differs from neutral.
     The float columns are the rows of one array (``FLOAT_COLUMNS`` order), so
-    a step takes and checks them all in one numpy call each.
+    a step takes and checks them all in one numpy call each. ``argmax_only``
+    marks the rows whose token is always the argmax of their logits: greedy,
+    with no penalty, no logprobs and no ``min_tokens`` (whose masked stop ids
+    change the argmax), so a batch of them needs no ``SamplingBatch``.
     """
 
     def __init__(self, num_rows: int, vocab_size: int) -> None:
@@ -70,6 +73,7 @@ class SamplingRows:
         self.floats = np.repeat(_NEUTRAL[:, None], num_rows, axis=1)
         self.top_k = np.full(num_rows, vocab_size, dtype=np.int64)  # vocab_size: off
         self.num_logprobs = np.full(num_rows, -1, dtype=np.int64)  # -1: none wanted
+        self.argmax_only = np.zeros(num_rows, dtype=bool)
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], vocab_size: int) -> SamplingRows:
@@ -93,6 +97,8 @@ class SamplingRows:
         self.top_k[row] = (params.top_k if 0 < params.top_k < self.vocab_size and not greedy
                            else self.vocab_size)
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.argmax_only[row] = (greedy and params.logprobs is None and params.min_tokens == 0
+                                 and not self.has_penalties(np.array([row]))[0])
 
     def has_penalties(self, rows: np.ndarray) -> np.ndarray:
         """Per row of ``rows``: whether any penalty is on (sampling reads its outputs)."""
@@ -107,6 +113,7 @@ class SamplingRows:
         taken.floats = self.floats[:, rows]
         taken.top_k = self.top_k[rows]
         taken.num_logprobs = self.num_logprobs[rows]
+        taken.argmax_only = self.argmax_only[rows]
         return taken
 
     @property
@@ -315,6 +322,11 @@ class Sampler:
     def __init__(self, use_triton: bool = False) -> None:
         self.use_triton = use_triton
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy tokens of ``[R, vocab]`` logits: what ``__call__`` samples
+        for rows that are all ``SamplingRows.argmax_only``."""
+        return row_argmax(logits, self.use_triton)
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample the next token of every row of ``logits`` ([R, vocab]).
 
@@ -346,7 +358,7 @@ class Sampler:
         return gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy_ids = None if batch.all_random else row_argmax(logits, self.use_triton)
+        greedy_ids = None if batch.all_random else self.argmax(logits)
         if batch.all_greedy and greedy_ids is not None:
             return greedy_ids
         assert batch.temperature is not None, "a batch with random rows has temperatures"

@@ -8,8 +8,9 @@ mixed step. All graphs read the persistent ``StepBuffers`` at fixed addresses
 and share one memory pool, captured from the largest down, so together they
 take about as much memory as the largest.
 
-- Decode graphs run the model and the logits matmul for ``size`` requests of
-  one new token each. A step of ``n`` requests replays the smallest captured
+- Decode graphs run the model, the logits matmul and the greedy argmax
+  (the sampler's, for a batch whose rows are all ``argmax_only``) for
+  ``size`` requests of one new token each. A step of ``n`` requests replays the smallest captured
   size ``>= n``; the extra rows are padding that writes no KV and attends to
   nothing (see ``StepBuffers.fill``). Attention runs with ``max_seq_len =
   max_model_len``: the split-K decode grid is frozen at capture and must
@@ -30,6 +31,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,6 +41,7 @@ from kvserve.models.registry import CausalLM
 from kvserve.worker.input_batch import StepBuffers
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _smallest_at_least(sizes: list[int], n: int) -> int | None:
@@ -51,14 +55,17 @@ class CudaGraphs:
     def __init__(
         self, model: CausalLM, buffers: StepBuffers, decode_sizes: tuple[int, ...],
         token_sizes: tuple[int, ...], max_model_len: int,
+        argmax: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         self.model = model
         self.buffers = buffers
+        self.argmax = argmax  # [R, vocab] logits -> [R] greedy token ids
         self.decode_sizes = sorted(decode_sizes)
         self.token_sizes = sorted(token_sizes)
         self.max_model_len = max_model_len
         self.decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # size -> [size, vocab_size] float32
+        # size -> ([size, vocab_size] float32 logits, [size] int64 greedy ids)
+        self.logits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.token_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # size -> [size, hidden_size]
         self.pool_bytes = 0
@@ -96,10 +103,11 @@ class CudaGraphs:
             seq_lens_cpu=[],
         )
 
-    def _decode_forward(self, size: int) -> torch.Tensor:
+    def _decode_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.buffers
         hidden = self.model(b.input_ids[:size], b.positions[:size], self.decode_metadata(size))
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        return logits, self.argmax(logits)
 
     def _token_forward(self, size: int) -> torch.Tensor:
         b = self.buffers
@@ -123,17 +131,10 @@ class CudaGraphs:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
-        for sizes, forward, graphs, outputs in (
-            (self.token_sizes, self._token_forward, self.token_graphs, self.hidden),
-            (self.decode_sizes, self._decode_forward, self.decode_graphs, self.logits),
-        ):
-            for size in reversed(sizes):
-                forward(size)  # compiles and autotunes kernels outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    outputs[size] = forward(size)
-                graphs[size] = graph
+        for size in reversed(self.token_sizes):
+            self.token_graphs[size], self.hidden[size] = _capture(self._token_forward, size, pool)
+        for size in reversed(self.decode_sizes):
+            self.decode_graphs[size], self.logits[size] = _capture(self._decode_forward, size, pool)
         torch.cuda.synchronize()
         self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(
@@ -142,8 +143,9 @@ class CudaGraphs:
             _span(self.token_sizes), time.perf_counter() - start, self.pool_bytes / 1e9,
         )
 
-    def replay_decode(self, size: int) -> torch.Tensor:
-        """Run the decode graph of ``size`` on the buffers' contents; its logits."""
+    def replay_decode(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the decode graph of ``size`` on the buffers' contents; its logits
+        and greedy token ids."""
         self.decode_graphs[size].replay()
         return self.logits[size]
 
@@ -151,6 +153,17 @@ class CudaGraphs:
         """Run the token graph of ``size`` on the buffers' contents; its hidden states."""
         self.token_graphs[size].replay()
         return self.hidden[size]
+
+
+def _capture(forward: Callable[[int], T], size: int, pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
+    """A graph of ``forward(size)`` in ``pool`` (a ``torch.cuda.graph_pool_handle()``),
+    and its static output."""
+    forward(size)  # compiles and autotunes kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = forward(size)
+    return graph, output
 
 
 def _span(sizes: list[int]) -> str:

@@ -67,12 +67,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunnerRequestState:
-    """What the runner remembers about a request besides its batch row."""
+    """What the runner remembers about a request besides its batch row
+    (``ModelRunner.rows``), which it keeps across preemption."""
 
     request_id: str
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    row: int | None  # its row of the PersistentBatch; None while preempted
     lora_int_id: int = 0  # the request's LoRA adapter; 0: none
 
 
@@ -176,6 +176,9 @@ class ModelRunner:
             set_triton_ops(model, True)
         self.sampler = Sampler(use_triton=use_triton)
         self.states: dict[str, RunnerRequestState] = {}
+        # request id -> its row of the PersistentBatch, while it holds one (not
+        # while preempted); a plain dict, read for every request every step
+        self.rows: dict[str, int] = {}
         # row -> generator of the seeded random requests
         self._generators: dict[int, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -259,7 +262,8 @@ class ModelRunner:
         if not self.cuda_graph_sizes and not self.cuda_graph_token_sizes:
             return
         self.graphs = CudaGraphs(self.model, self.buffers, self.cuda_graph_sizes,
-                                 self.cuda_graph_token_sizes, self.scheduler_config.max_model_len)
+                                 self.cuda_graph_token_sizes, self.scheduler_config.max_model_len,
+                                 self.sampler.argmax)
         self.graphs.capture()
 
     # ------------------------------------------------------------ profiling
@@ -344,37 +348,36 @@ class ModelRunner:
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
-            state = self.states.pop(request_id, None)
-            if state is not None and state.row is not None:
-                self._free_row(state.row)
+            self.states.pop(request_id, None)
+            self._free_row(request_id)
         for request_id in scheduler_output.preempted_request_ids:
-            state = self.states.get(request_id)
-            if state is not None and state.row is not None:
-                self._free_row(state.row)
-                state.row = None
+            self._free_row(request_id)
         for new in scheduler_output.new_requests:
             old = self.states.get(new.request_id)
-            if old is not None and old.row is not None:
-                self._free_row(old.row)
+            self._free_row(new.request_id)
             generator = old.generator if old is not None else self._make_generator(new)
             row = self.batch.add(new.all_token_ids, len(new.prompt_token_ids),
                                  new.num_computed_tokens, new.block_ids, new.sampling_params)
             if generator is not None and not new.sampling_params.is_greedy:
                 self._generators[row] = generator
+            self.rows[new.request_id] = row
             self.states[new.request_id] = RunnerRequestState(
                 request_id=new.request_id,
                 sampling_params=new.sampling_params,
                 generator=generator,
-                row=row,
                 lora_int_id=new.lora_int_id,
             )
         for request_id, block_ids in scheduler_output.new_block_ids.items():
-            held = self.states[request_id].row
+            held = self.rows.get(request_id)
             if held is None:
                 raise RuntimeError(f"request {request_id} resumed without its blocks")
             self.batch.append_blocks(held, block_ids)
 
-    def _free_row(self, row: int) -> None:
+    def _free_row(self, request_id: str) -> None:
+        """Give back the request's batch row, if it holds one."""
+        row = self.rows.pop(request_id, None)
+        if row is None:
+            return
         self.batch.free(row)
         self._generators.pop(row, None)
         self._last_sample_index[row] = -1
@@ -392,7 +395,7 @@ class ModelRunner:
         request_ids = list(scheduled)
         num_reqs = len(request_ids)
         states = self.states
-        rows = np.fromiter((states[r].row for r in request_ids), np.int64, num_reqs)
+        rows = np.fromiter(map(self.rows.__getitem__, request_ids), np.int64, num_reqs)
         num_scheduled = np.fromiter(scheduled.values(), np.int64, num_reqs)
         batch = self.batch
         ends = batch.num_computed_tokens[rows] + num_scheduled
@@ -489,29 +492,41 @@ class ModelRunner:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
         sample_rows = inputs.rows[inputs.sample_indices]
+        num_sample = len(sample_rows)
+        argmax_only = num_sample > 0 and bool(self.batch.sampling.argmax_only[sample_rows].all())
         # built before the forward is queued: its small host-to-device copies
         # would otherwise wait for the whole forward to finish
-        batch = self._sampling_batch(inputs, sample_rows) if len(sample_rows) else None
+        batch = (self._sampling_batch(inputs, sample_rows) if num_sample and not argmax_only
+                 else None)
         if self.lora_manager is not None and inputs.lora_int_ids is not None:
             self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist())
         start = self._mark()
+        logits = sampled_ids = None
         if inputs.decode_graph_size is not None and self.graphs is not None:
-            logits = self.graphs.replay_decode(inputs.decode_graph_size)[inputs.logits_indices]
+            all_logits, greedy_ids = self.graphs.replay_decode(inputs.decode_graph_size)
+            if num_sample == len(inputs.rows):  # every request samples: rows 0..n-1
+                logits = all_logits[:num_sample]
+                sampled_ids = greedy_ids[:num_sample] if argmax_only else None
+            else:
+                logits = all_logits[inputs.logits_indices]
         elif inputs.token_graph_size is not None and self.graphs is not None:
             hidden = self.graphs.replay_tokens(inputs.token_graph_size)
-            logits = None
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
-            logits = None
         self.batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
         sampled = None
         if self._last_sampled is not None:
             self._last_sample_index[self._last_sampled[1]] = -1
         self._last_sampled = None
-        if batch is not None:
+        if num_sample:
             if logits is None:
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            sampled = self.sampler(logits, batch)
+            if sampled_ids is not None:
+                sampled = SamplerOutput(sampled_ids)
+            elif batch is None:
+                sampled = SamplerOutput(self.sampler.argmax(logits))
+            else:
+                sampled = self.sampler(logits, batch)
             self._last_sampled = (sampled.sampled_token_ids, sample_rows)
             self._last_sample_index[sample_rows] = np.arange(len(sample_rows))
         host_tensors = self._copy_to_host(sampled)

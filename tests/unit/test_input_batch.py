@@ -138,7 +138,7 @@ def test_cuda_graph_sizes_flag_is_validated(tiny_checkpoint: Callable[[str], Pat
 class _UncapturedGraphs(CudaGraphs):
     """The graph paths without the capture: each replay runs the same forward."""
 
-    def replay_decode(self, size: int) -> torch.Tensor:
+    def replay_decode(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.replays.append(("decode", size))
         return self._decode_forward(size)
 
@@ -162,7 +162,8 @@ def test_padded_graph_paths_give_eager_tokens(tiny_checkpoint: Callable[[str], P
     llm = LLM(**kwargs)
     runner = llm.engine.core.executor  # type: ignore[attr-defined]  # in-process runner
     graphs = _UncapturedGraphs(runner.model, runner.buffers, (2, 8), (16, 32),
-                               llm.engine.config.scheduler_config.max_model_len)
+                               llm.engine.config.scheduler_config.max_model_len,
+                               runner.sampler.argmax)
     graphs.replays = []
     runner.graphs = graphs
     padded = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from kvserve.core.sampling_params import SamplingParams
 from kvserve.sampling.sampler import (
     Sampler,
     SamplingBatch,
+    SamplingRows,
     apply_min_p_,
     apply_penalties,
     apply_top_k_top_p,
@@ -273,3 +275,25 @@ def test_fast_path_flags() -> None:
     batch = _build([SamplingParams(top_k=2, top_p=0.9, min_p=0.1)], 8)
     assert not (batch.no_top_k or batch.no_top_p or batch.no_min_p)
     assert math.isclose(float(batch.temperature[0]), 1.0)
+
+
+def test_argmax_only_rows_are_plain_greedy_and_sample_the_argmax() -> None:
+    greedy = SamplingParams(temperature=0.0)
+    params = [
+        greedy,
+        SamplingParams(temperature=0.0, top_k=3, top_p=0.5),  # top-k/p mean nothing greedy
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.0, min_tokens=2, max_tokens=8),
+        SamplingParams(temperature=0.7),
+    ]
+    rows = SamplingRows.of(params, 16)
+    assert rows.argmax_only.tolist() == [True, True, False, False, False, False, False]
+    assert rows.take(np.array([1, 0])).argmax_only.all()
+    rows.set(0, SamplingParams(temperature=0.0, frequency_penalty=0.1))  # a reused row
+    assert not rows.argmax_only[0]
+    logits = torch.randn(2, 16)
+    sampler = Sampler()
+    batch = _build([greedy, params[1]], 16)
+    assert torch.equal(sampler.argmax(logits), sampler(logits, batch).sampled_token_ids)
