@@ -299,13 +299,17 @@ class Scheduler:
                 request.num_output_placeholders -= 1
             all_token_ids = request.all_token_ids
             new_tokens = token_ids
-            stopped = False
-            for i, token_id in enumerate(token_ids):
-                all_token_ids.append(token_id)
-                if check_stop(request):
-                    new_tokens = token_ids[: i + 1]
-                    stopped = True
-                    break
+            if len(token_ids) == 1:  # the usual step: no loop
+                all_token_ids.append(token_ids[0])
+                stopped = check_stop(request)
+            else:
+                stopped = False
+                for i, token_id in enumerate(token_ids):
+                    all_token_ids.append(token_id)
+                    if check_stop(request):
+                        new_tokens = token_ids[: i + 1]
+                        stopped = True
+                        break
             if not request.report_every_step:
                 if request.num_reported_outputs and not stopped:
                     continue  # reported at its first token and when it finishes

@@ -84,9 +84,10 @@ class StepInputs:
     rows: np.ndarray  # [num_reqs] int64: the requests' batch rows
     num_scheduled: np.ndarray  # [num_reqs] int64
     lora_int_ids: list[int] | None  # per request, with LoRA enabled
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    metadata: AttentionMetadata
+    # eager steps only (a graph reads the buffers): [num_tokens] each, and metadata
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+    metadata: AttentionMetadata | None
     # requests that sample this step (indices into request_ids, and ids), and
     # the row of their last token
     sample_indices: np.ndarray
@@ -430,25 +431,28 @@ class ModelRunner:
             assert self._last_sampled is not None
             dst, src = b.carry[0, :host.num_carried], b.carry[1, :host.num_carried]
             b.input_ids[dst] = self._last_sampled[0][src]
-        metadata = AttentionMetadata(
-            num_reqs=num_reqs,
-            num_tokens=host.num_tokens,
-            max_query_len=host.max_query_len,
-            max_seq_len=host.max_seq_len,
-            query_start_loc=b.query_start_loc[: num_reqs + 1],
-            seq_lens=b.seq_lens[:num_reqs],
-            block_table=b.block_table[:num_reqs, :host.max_blocks],
-            slot_mapping=b.slot_mapping[: host.num_tokens],
-            query_start_loc_cpu=host.query_start_loc.tolist(),
-            seq_lens_cpu=host.seq_lens.tolist(),
-        )
+        metadata = input_ids = positions = None
+        if decode_size is None and token_size is None:  # eager
+            metadata = AttentionMetadata(
+                num_reqs=num_reqs,
+                num_tokens=host.num_tokens,
+                max_query_len=host.max_query_len,
+                max_seq_len=host.max_seq_len,
+                query_start_loc=b.query_start_loc[: num_reqs + 1],
+                seq_lens=b.seq_lens[:num_reqs],
+                block_table=b.block_table[:num_reqs, :host.max_blocks],
+                slot_mapping=b.slot_mapping[: host.num_tokens],
+                query_start_loc_cpu=host.query_start_loc.tolist(),
+                seq_lens_cpu=host.seq_lens.tolist(),
+            )
+            input_ids, positions = b.input_ids[: host.num_tokens], b.positions[: host.num_tokens]
         return StepInputs(
             request_ids=request_ids,
             rows=rows,
             num_scheduled=num_scheduled,
             lora_int_ids=lora_int_ids,
-            input_ids=b.input_ids[: host.num_tokens],
-            positions=b.positions[: host.num_tokens],
+            input_ids=input_ids,
+            positions=positions,
             metadata=metadata,
             sample_indices=host.sample_indices,
             sample_request_ids=list(map(request_ids.__getitem__, host.sample_indices.tolist())),
@@ -512,6 +516,8 @@ class ModelRunner:
         elif inputs.token_graph_size is not None and self.graphs is not None:
             hidden = self.graphs.replay_tokens(inputs.token_graph_size)
         else:
+            assert inputs.input_ids is not None and inputs.positions is not None
+            assert inputs.metadata is not None, "an eager step has its metadata"
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         self.batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
         sampled = None
