@@ -80,9 +80,10 @@ class RequestTimes:
         return self.first_token_s - self.arrival_s
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """A request as the scheduler and KV manager see it."""
+    """A request as the scheduler and KV manager see it; equal only to itself
+    (the queues' ``in`` and ``remove`` compare identities, not every field)."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -109,6 +109,10 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt: must contain at least 1 token")
         vocab_size = self.config.model_config.vocab_size
+        # the usual prompt is checked in C (types, then bounds); the loop names a bad id
+        if (set(map(type, token_ids)) == {int}
+                and min(token_ids) >= 0 and max(token_ids) < vocab_size):
+            return None, token_ids
         for i, token_id in enumerate(token_ids):
             if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
                 raise ValueError(

@@ -195,6 +195,9 @@ def test_text_prompts_stop_strings_and_chat(tokenized_checkpoint: Path) -> None:
         (list(range(3, 200)), SamplingParams(max_tokens=4), "max_model_len"),
         ([3, 4], SamplingParams(max_tokens=127), "max_tokens"),
         ([3, 10_000], SamplingParams(max_tokens=4), "prompt\\[1\\]"),
+        ([3, 4, -1], SamplingParams(max_tokens=4), "prompt\\[2\\]=-1"),
+        ([3, 4.0], SamplingParams(max_tokens=4), "prompt\\[1\\]=4.0"),
+        ([3, "5"], SamplingParams(max_tokens=4), "prompt\\[1\\]='5'"),
     ],
 )
 def test_bad_requests_fail_clearly_and_others_finish(
