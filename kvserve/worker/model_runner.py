@@ -67,8 +67,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunnerRequestState:
-    """What the runner remembers about a request besides its batch row
-    (``ModelRunner.rows``), which it keeps across preemption."""
+    """What the runner remembers about a request, kept across preemption; its
+    batch row, which preemption gives back, is in ``ModelRunner.rows``."""
 
     request_id: str
     sampling_params: SamplingParams
