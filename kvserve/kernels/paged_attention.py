@@ -17,12 +17,13 @@ Two kernels, each beside its launcher:
 - ``decode_attention_kernel`` handles steps where every request has one new
   token (flash-decoding) in one launch. Grid ``(num_reqs, num_kv_heads,
   num_splits)``: a program owns one request's group of query heads of one KV
-  head and one contiguous slice of its context. With one split it writes the
-  normalised output directly. With several it writes its partial max, sum
-  and unnormalised output, then counts itself on the (request, KV head)'s
-  semaphore; the program that arrives last merges every used split of the
-  group, writes the output and resets the semaphore to 0 (split-K with a
-  semaphore: no second launch for the reduction). Each request cuts its own
+  head and one contiguous slice of its context. A context that fits one
+  slice is written normalised, directly. Otherwise each slice's program
+  writes its partial max, sum and unnormalised output, then counts itself on
+  the (request, KV head)'s semaphore; the program that arrives last merges
+  every used split of the group (as many heads per round of loads as its
+  tile holds), writes the output and resets the semaphore to 0 (split-K with
+  a semaphore: no second launch for the reduction). Each request cuts its own
   context into equal slices, so the grid depends on the batch size alone: a
   CUDA graph replays it for any context, and an eager step of the same batch
   does exactly the same arithmetic.
@@ -59,7 +60,14 @@ NEG_BIG = tl.constexpr(-1.0e30)
 # least MIN_SPLIT_TOKENS positions.
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 64  # measured fastest at batch 1 (a split is whole BLOCK_N tiles)
-MAX_SPLITS = 64
+# 16, not more: the merge of 16 splits reduces a GQA group of 4 heads in one
+# pass of loads; at batch 1 on an H200 that beat 32 and 64 splits at every
+# context up to 4K and lost 5% at 16K (docs/decisions/0014)
+MAX_SPLITS = 16
+# from this many splits on (batch <= 4 on 132 SMs), 16-bit KV tiles of 64
+# positions: short contexts have fewer positions per split than 128
+SHORT_TILE_MIN_SPLITS = 16
+MERGE_TILE_ELEMENTS = 8192  # float32 partial outputs the merge holds at once (64 per thread)
 DEFAULT_NUM_SMS = 132
 
 
@@ -202,28 +210,33 @@ def prefill_attention_kernel(
 def _merge_splits(
     out_row_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, first_stat_idx, num_splits,
     useful_splits, first_head, stride_out_head,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    GROUP: tl.constexpr, HEADS_PER_PASS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     """Merge the used splits of ``GROUP`` consecutive query heads from the
     partial results and write them normalised into one token's output row;
-    one head at a time, so a head's [SPLITS_PAD, HEAD_DIM_PAD] partial
-    outputs are the largest tile held."""
+    ``HEADS_PER_PASS`` heads at a time, each pass one round of loads (a
+    [HEADS_PER_PASS, SPLITS_PAD, HEAD_DIM_PAD] tile of partial outputs)."""
     splits = tl.arange(0, SPLITS_PAD)
     used = splits < useful_splits
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    for h in range(GROUP):
-        stat_idx = first_stat_idx + h * num_splits + splits  # [SPLITS_PAD]
-        m_split = tl.load(part_max_ptr + stat_idx, mask=used, other=NEG_BIG, volatile=True)
-        l_split = tl.load(part_sum_ptr + stat_idx, mask=used, other=0.0, volatile=True)
-        acc_split = tl.load(part_out_ptr + stat_idx[:, None] * HEAD_DIM + dims[None, :],
-                            mask=used[:, None] & dim_mask[None, :], other=0.0, volatile=True)
-        weight = tl.exp2(m_split - tl.max(m_split, 0))  # [SPLITS_PAD]
-        l_total = tl.sum(l_split * weight, 0)
-        acc = tl.sum(acc_split * weight[:, None], 0)  # [HEAD_DIM_PAD]
-        tl.store(out_row_ptr + (first_head + h) * stride_out_head + dims,
-                 (acc / l_total).to(out_row_ptr.dtype.element_ty), mask=dim_mask)
+    for first in tl.static_range(0, GROUP, HEADS_PER_PASS):
+        h = first + tl.arange(0, HEADS_PER_PASS)
+        h_valid = h < GROUP
+        stat_idx = first_stat_idx + h[:, None] * num_splits + splits[None, :]  # [H, S]
+        stat_mask = h_valid[:, None] & used[None, :]
+        m_split = tl.load(part_max_ptr + stat_idx, mask=stat_mask, other=NEG_BIG, volatile=True)
+        l_split = tl.load(part_sum_ptr + stat_idx, mask=stat_mask, other=0.0, volatile=True)
+        acc_split = tl.load(  # [H, S, D]
+            part_out_ptr + stat_idx[:, :, None] * HEAD_DIM + dims[None, None, :],
+            mask=stat_mask[:, :, None] & dim_mask[None, None, :], other=0.0, volatile=True)
+        weight = tl.exp2(m_split - tl.max(m_split, 1)[:, None])  # [H, S]
+        l_total = tl.sum(l_split * weight, 1)  # [H]; 0 only on masked heads
+        acc = tl.sum(acc_split * weight[:, :, None], 1)  # [H, D]
+        tl.store(out_row_ptr + (first_head + h)[:, None] * stride_out_head + dims[None, :],
+                 (acc / l_total[:, None]).to(out_row_ptr.dtype.element_ty),
+                 mask=h_valid[:, None] & dim_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["sliding_window", "stride_bt"])
@@ -258,6 +271,7 @@ def decode_attention_kernel(
     USE_WINDOW: tl.constexpr,
     NUM_SPLITS_IS_ONE: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # num_splits padded to a power of two
+    MERGE_HEADS: tl.constexpr,  # query heads the merge reduces at once
     MIN_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -265,10 +279,12 @@ def decode_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    # three independent loads, one round trip to memory
     q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
-        return  # padding, or a prompt chunk that prefill_attention handles
+    q_end = tl.load(query_start_loc_ptr + req + 1)
     seq_len = tl.load(seq_lens_ptr + req)
+    if q_end - q_start != 1:
+        return  # padding, or a prompt chunk that prefill_attention handles
 
     # each request cuts its own context into equal slices (a multiple of
     # BLOCK_N, at least MIN_SPLIT positions), so the grid depends on no
@@ -278,10 +294,12 @@ def decode_attention_kernel(
     if USE_WINDOW:
         context_start = tl.maximum(0, seq_len - sliding_window)
     context_len = seq_len - context_start
-    useful_splits = tl.minimum(num_splits, tl.maximum(1, tl.cdiv(context_len, MIN_SPLIT)))
+    wanted_splits = tl.minimum(num_splits, tl.maximum(1, tl.cdiv(context_len, MIN_SPLIT)))
+    partition_size = tl.cdiv(tl.cdiv(context_len, wanted_splits), BLOCK_N) * BLOCK_N
+    # rounding slices up to whole tiles can leave the last wanted ones empty
+    useful_splits = tl.maximum(1, tl.cdiv(context_len, partition_size))
     if split >= useful_splits:
         return
-    partition_size = tl.cdiv(tl.cdiv(context_len, useful_splits), BLOCK_N) * BLOCK_N
     split_start = context_start + split * partition_size
     split_end = tl.minimum(split_start + partition_size, seq_len)
 
@@ -317,14 +335,16 @@ def decode_attention_kernel(
         m_i = m_new
 
     store_mask = row_valid[:, None] & dim_mask[None, :]
-    if NUM_SPLITS_IS_ONE:
+    if useful_splits == 1:
+        # the whole context in this program (always so with one split): the
+        # output directly, no partials, semaphore or merge
         tl.store(
             out_ptr + q_start * stride_out_token + head[:, None] * stride_out_head
             + dims[None, :],
             (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
             mask=store_mask,
         )
-    else:
+    elif not NUM_SPLITS_IS_ONE:
         num_heads = GROUP * tl.num_programs(1)
         # row (req, head) of the [num_reqs, num_heads, num_splits] statistics
         stat_idx = (req * num_heads + head) * num_splits + split
@@ -356,7 +376,7 @@ def decode_attention_kernel(
             _merge_splits(out_ptr + q_start * stride_out_token, part_out_ptr, part_max_ptr,
                           part_sum_ptr, (req * num_heads + kv_head * GROUP) * num_splits,
                           num_splits, useful_splits, kv_head * GROUP, stride_out_head, GROUP,
-                          HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD)
+                          MERGE_HEADS, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD)
 
 
 # ---------------------------------------------------------------- launchers
@@ -568,9 +588,11 @@ def decode_attention(
     skip_decodes=True)`` on the same ``out``.
 
     ``num_splits`` (default: ``decode_num_splits``) is the most slices a
-    context is cut into; a request of ``n`` positions uses
-    ``min(num_splits, ceil(n / min_split_tokens))`` equal ones, merged by the
-    last of them to finish, in the same launch. Every query row must be the
+    context is cut into; a request of ``n`` positions wants
+    ``min(num_splits, ceil(n / min_split_tokens))`` equal ones, each rounded up
+    to whole KV tiles, so it uses as many as those rounded slices need. Used
+    slices are merged by the last of them to finish, in the same launch; one
+    slice writes the output itself. Every query row must be the
     last position of its request. ``max_seq_len`` may be any upper bound of
     ``seq_lens`` (a CUDA graph captured for reuse passes ``max_model_len``).
     """
@@ -589,9 +611,14 @@ def decode_attention(
         raise ValueError(f"min_split_tokens={min_split_tokens}; must be >= 1")
     group = num_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
+    splits_pad = triton.next_power_of_2(num_splits)
     # 128 positions of 16-bit KV per tile: as fast as 64 on even contexts, up to
-    # 1.4x faster on ragged or long ones (H100, docs/benchmarks.md)
-    block_n = 32 if kv_cache.dtype == torch.float32 or head_dim_pad > 128 else 128
+    # 1.4x faster on ragged or long ones (H100, decision 0013), except at the
+    # smallest batches (decision 0014)
+    if kv_cache.dtype == torch.float32 or head_dim_pad > 128:
+        block_n = 32
+    else:
+        block_n = 64 if num_splits >= SHORT_TILE_MIN_SPLITS else 128
     if num_splits > 1:
         # [num_reqs, num_heads, num_splits(, head_dim)] float32 partial results
         part_out = torch.empty((num_reqs, num_heads, num_splits, head_dim), dtype=torch.float32,
@@ -618,7 +645,9 @@ def decode_attention(
         BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None,
         NUM_SPLITS_IS_ONE=num_splits == 1,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_PAD=splits_pad,
+        MERGE_HEADS=min(triton.next_power_of_2(group),
+                        max(1, MERGE_TILE_ELEMENTS // (splits_pad * head_dim_pad))),
         MIN_SPLIT=min_split_tokens,
         DOT_PRECISION=_dot_precision(kv_cache.dtype),
         num_warps=4,

@@ -261,6 +261,16 @@ def test_decode_last_split_merges_in_the_same_launch(
     assert not semaphores.any(), "a launch left split counters nonzero"
 
 
+@pytest.mark.parametrize("group", [4, 8])
+def test_decode_merge_in_several_passes(group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A merge tile too small for the whole GQA group reduces it a few heads
+    per pass (one head per pass here), with the same result."""
+    monkeypatch.setattr(paged_attention, "MERGE_TILE_ELEMENTS", 1)
+    case = make_case(RAGGED_Q, RAGGED_S, *GROUPS[group], 16, 4, torch.float32)
+    run_decode(case, num_splits=8, min_split_tokens=4)
+    assert not cpu_semaphores().any()
+
+
 def test_decode_semaphores_reset_for_the_next_launch() -> None:
     """One counter buffer serves launch after launch, as in a replayed CUDA
     graph: a counter left nonzero would keep the next launch's last split
@@ -291,7 +301,7 @@ def test_decode_semaphores_grow_and_keep_old_buffers() -> None:
 
 def test_decode_num_splits_policy() -> None:
     splits = paged_attention.decode_num_splits
-    assert splits(1, 8, 132) == 64
+    assert splits(1, 8, 132) == paged_attention.MAX_SPLITS == 16
     assert splits(32, 8, 132) == 2
     assert splits(128, 8, 132) == 1
     # a batch splits like the CUDA graph size it is padded to
