@@ -8,9 +8,9 @@ Grid ``(cdiv(N, BLOCK_N),)``: a program owns ``BLOCK_N`` output columns
 each output written once, in ONE launch: no split-K partials, no zero-init
 or reduce kernel, nothing read back to the host, the output a fresh
 ``torch.empty`` (CUDA-graph capturable). Instead of splitting K, ``BLOCK_N``
-is small enough for several programs per SM (one row: 8, so N = 4096 gives
-512 programs on 132 SMs), all resident at once, so every SM keeps several
-weight tiles in flight. The K loop is a ``tl.range(...,
+is small enough for several programs per SM (one row: 4 or 8, so N = 4096
+gives 1,024 or 512 programs on 132 SMs), all resident at once, so every SM
+keeps several weight tiles in flight. The K loop is a ``tl.range(...,
 num_stages)``: Triton software-pipelines its loads (cp.async into shared
 memory) for both inner products below. Columns past ``N`` re-read the last
 row of ``W`` and rows past ``M`` are masked, both dropped at the store; only
@@ -59,6 +59,10 @@ DOT_BLOCK_M = 16  # tl.dot's smallest tile side
 PROGRAMS_PER_SM = 4  # as many as fit an SM at once (FMA default: 4 x 128 threads x ~120 regs)
 DEFAULT_NUM_SMS = 132
 DOT_TILE_ELEMENTS = 4096  # BLOCK_N * BLOCK_K: an 8 KB 16-bit weight tile a stage
+# one-row shapes that take thinner programs (Llama-3-8B's qkv, o_proj, gate_up;
+# not its down projection, K = 14,336, nor its LM head, N = 128,256)
+THIN_MAX_K = 8192
+THIN_MAX_N = 32768
 
 
 @dataclass(frozen=True)
@@ -167,13 +171,19 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> Sk
 
     One row: FMA, ``block_n`` 8, ``block_k`` 512, 4 warps, 4 stages (the sweep
     of ``benchmarks/skinny_gemm.py`` on an H200: best or within 2% of the best
-    on all five Llama-3-8B shapes). More rows: ``tl.dot`` with ``block_n`` the
-    largest of 64, 32, 16 that still gives ``PROGRAMS_PER_SM * num_sms``
-    programs (small ``n`` gets more, thinner programs instead of a split-K),
+    on all five Llama-3-8B shapes), except for a ``k`` up to
+    ``THIN_MAX_K`` and ``n`` up to ``THIN_MAX_N`` (qkv, o_proj, gate_up):
+    ``block_n`` 4, ``block_k`` 1024, 2 warps, 3 stages, twice the programs of
+    half the size, 1-4% faster on those shapes on an H100 (decision 0014).
+    More rows: ``tl.dot`` with ``block_n`` the largest of 64, 32, 16 that
+    still gives ``PROGRAMS_PER_SM * num_sms`` programs (small ``n`` gets
+    more, thinner programs instead of a split-K),
     ``block_k`` a tile of ``DOT_TILE_ELEMENTS`` weights, a warp per 16 rows of
     W so no warp repeats another's MMA, 4 stages; never wider than ``k`` needs.
     """
     if m == 1:
+        if k <= THIN_MAX_K and n <= THIN_MAX_N:
+            return SkinnyConfig(4, max(16, min(1024, triton.next_power_of_2(k))), 2, 3, False)
         return SkinnyConfig(8, max(16, min(512, triton.next_power_of_2(k))), 4, 4, False)
     block_n = 64
     while block_n > 16 and triton.cdiv(n, block_n) < PROGRAMS_PER_SM * num_sms:
