@@ -5,7 +5,9 @@ the attention kernels. The write is ``store_kv``, or,
 when the layer hands over its rotary embedding (``rope``), ``rope_store_kv``:
 one launch that rotates q in place and stores the rotated k with v, leaving
 the same bits as ``apply_rotary`` then ``store_kv`` with a launch fewer per
-layer. Then:
+layer. In a decode step (every request one new token) with full rotary,
+``decode_attention`` does that work itself (``new_kv``), one launch a layer
+in all. Then:
 
 - ``decode_attention`` (split-K, flash-decoding) for every request with one
   new token, so long contexts at small batch still fill the GPU; that is the
@@ -28,7 +30,12 @@ import torch
 
 from kvserve.attention.backend import FusedRope
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.kernels.paged_attention import decode_attention, prefill_attention
+from kvserve.kernels.paged_attention import (
+    NewKV,
+    decode_attention,
+    fuses_new_kv,
+    prefill_attention,
+)
 from kvserve.kernels.rope_store_kv import rope_store_kv
 from kvserve.kernels.store_kv import store_kv
 
@@ -52,6 +59,14 @@ class TritonAttentionBackend:
         rope: FusedRope | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+        if (rope is not None and metadata.max_query_len == 1
+                and fuses_new_kv(q.shape[-1], rope.rotary_dim)):
+            # a decode step: the decode kernel rotates and writes the new KV itself
+            return decode_attention(
+                q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+                metadata.max_seq_len, scale, sliding_window,
+                new_kv=NewKV(k, v, metadata.slot_mapping, rope.cos_sin_cache),
+            )
         if rope is None:
             store_kv(k, v, kv_cache, metadata.slot_mapping)
         else:

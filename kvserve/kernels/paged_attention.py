@@ -44,11 +44,14 @@ address. Decode launches on one device must therefore not overlap in time
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels.rope_store_kv import check_new_kv, store_rotated_kv
+from kvserve.kernels.rotary import heads_view, rotate_pair
 from kvserve.kernels.store_kv import check_kv_cache
 
 LOG2E = 1.4426950408889634
@@ -252,6 +255,11 @@ def decode_attention_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
     block_table_ptr,  # [num_reqs, max_blocks] int32
+    new_k_ptr,  # [num_tokens, num_kv_heads, head_dim], read only with FUSE_ROPE
+    new_v_ptr,  # [num_tokens, num_kv_heads, head_dim], read only with FUSE_ROPE
+    slot_mapping_ptr,  # [num_tokens] int64, read only with FUSE_ROPE
+    cos_sin_ptr,  # [max_position, head_dim] float32: cos | sin, read only with FUSE_ROPE
+    max_position,
     scale_log2,
     sliding_window,
     stride_q_token,
@@ -262,6 +270,11 @@ def decode_attention_kernel(
     stride_cache_slot,
     stride_cache_head,
     stride_bt,
+    stride_new_k_token,
+    stride_new_k_head,
+    stride_new_v_token,
+    stride_new_v_head,
+    stride_cos_sin_pos,
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
@@ -274,6 +287,8 @@ def decode_attention_kernel(
     MERGE_HEADS: tl.constexpr,  # query heads the merge reduces at once
     MIN_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FUSE_ROPE: tl.constexpr,  # rotate q and write the new k, v here (rope_store_kv's work)
+    HALF: tl.constexpr,  # head_dim // 2, a power of two, when FUSE_ROPE
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -308,12 +323,40 @@ def decode_attention_kernel(
     head = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    # [ROWS, HEAD_DIM_PAD]
-    q = tl.load(
-        q_ptr + q_start * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-        mask=row_valid[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
+    q_row = q_ptr + q_start * stride_q_token + head[:, None] * stride_q_head  # [ROWS, 1]
+    if FUSE_ROPE:
+        # rope_store_kv's work for this token: a decode token sits at position
+        # seq_len - 1. Every split rotates the group's q in registers (q in
+        # memory stays as it was); the split that holds the last position also
+        # writes the token's k (rotated) and v, then its barrier makes them
+        # visible to its own tile loads below, the only ones that read them.
+        pos = seq_len - 1
+        rotate = pos < max_position
+        halves = tl.arange(0, HALF)
+        cos_sin_row = cos_sin_ptr + tl.where(rotate, pos, 0).to(tl.int64) * stride_cos_sin_pos
+        cos = tl.load(cos_sin_row + halves)
+        sin = tl.load(cos_sin_row + HALF + halves)
+        x1 = tl.load(q_row + halves[None, :], mask=row_valid[:, None], other=0.0)
+        x2 = tl.load(q_row + HALF + halves[None, :], mask=row_valid[:, None], other=0.0)
+        rotated1, rotated2 = rotate_pair(x1.to(tl.float32), x2.to(tl.float32),
+                                         cos[None, :], sin[None, :])
+        q1 = tl.where(rotate, rotated1.to(q_ptr.dtype.element_ty), x1)
+        q2 = tl.where(rotate, rotated2.to(q_ptr.dtype.element_ty), x2)
+        # [ROWS, HALF, 2] -> [ROWS, 2, HALF] -> [ROWS, HEAD_DIM]: q1's dims, then q2's
+        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (ROWS, HEAD_DIM_PAD))
+        if split == useful_splits - 1:
+            slot = tl.load(slot_mapping_ptr + q_start)
+            if slot >= 0:
+                store_rotated_kv(
+                    new_k_ptr + q_start * stride_new_k_token + kv_head * stride_new_k_head,
+                    new_v_ptr + q_start * stride_new_v_token + kv_head * stride_new_v_head,
+                    k_cache_ptr, v_cache_ptr, slot, kv_head, rotate, cos, sin,
+                    stride_cache_block, stride_cache_slot, stride_cache_head,
+                    BLOCK_SIZE, HALF, HALF, HEAD_DIM, HEAD_DIM_PAD, 1)
+            tl.debug_barrier()
+    else:
+        q = tl.load(q_row + dims[None, :], mask=row_valid[:, None] & dim_mask[None, :],
+                    other=0.0)  # [ROWS, HEAD_DIM_PAD]
 
     m_i = tl.full([ROWS], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -580,6 +623,7 @@ def decode_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,
     min_split_tokens: int = MIN_SPLIT_TOKENS,
+    new_kv: NewKV | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Split-K paged attention of the requests with exactly one new token.
 
@@ -595,10 +639,18 @@ def decode_attention(
     slice writes the output itself. Every query row must be the
     last position of its request. ``max_seq_len`` may be any upper bound of
     ``seq_lens`` (a CUDA graph captured for reuse passes ``max_model_len``).
+
+    With ``new_kv`` (a decode step: every request has one new token), the
+    kernel also does ``rope_store_kv``'s work for each token, at position
+    ``seq_len - 1``: q rotated (in registers; q itself is left as it is) and
+    the new k, rotated, with v written to the cache at the slot mapping.
+    Full rotary only, on a power-of-two head_dim (``fuses_new_kv``).
     """
     out = _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
                         out)
     num_tokens, num_heads, head_dim = q.shape
+    if new_kv is not None:
+        _check_new_kv(q, kv_cache, new_kv)
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0 or max_seq_len < 1:
@@ -631,12 +683,19 @@ def decode_attention(
         part_out = part_max = part_sum = out
         semaphores = seq_lens  # unused by the one-split kernel
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if new_kv is None:  # the pointers go unread: any tensor of the right dtype will do
+        new_k, new_v, slots, cos_sin = q, q, seq_lens, out
+    else:
+        new_k, new_v = (heads_view(name, x, num_tokens, head_dim)
+                        for name, x in (("k", new_kv.k), ("v", new_kv.v)))
+        slots, cos_sin = new_kv.slot_mapping, new_kv.cos_sin_cache
     decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_max, part_sum, semaphores,
-        query_start_loc, seq_lens, block_table,
+        query_start_loc, seq_lens, block_table, new_k, new_v, slots, cos_sin, cos_sin.shape[0],
         scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos_sin.stride(0),
         BLOCK_SIZE=block_size,
         GROUP=group,
         ROWS=max(16, triton.next_power_of_2(group)),
@@ -650,7 +709,43 @@ def decode_attention(
                         max(1, MERGE_TILE_ELEMENTS // (splits_pad * head_dim_pad))),
         MIN_SPLIT=min_split_tokens,
         DOT_PRECISION=_dot_precision(kv_cache.dtype),
+        FUSE_ROPE=new_kv is not None,
+        HALF=head_dim // 2,
         num_warps=4,
         num_stages=2,
     )
     return out
+
+
+class NewKV(NamedTuple):
+    """A decode step's new keys and values for ``decode_attention`` to rotate and
+    write itself (instead of ``rope_store_kv`` before it)."""
+
+    k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim] or [.., num_kv_heads * head_dim]
+    v: torch.Tensor  # as k
+    slot_mapping: torch.Tensor  # [num_tokens] int64; a negative slot writes nothing
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] float32: cos | sin
+
+
+def fuses_new_kv(head_dim: int, rotary_dim: int) -> bool:
+    """Whether ``decode_attention`` can take ``new_kv`` for heads of ``head_dim``
+    rotated over ``rotary_dim`` dims (full rotary, ``head_dim`` a power of two)."""
+    return rotary_dim == head_dim and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+
+
+def _check_new_kv(q: torch.Tensor, kv_cache: torch.Tensor, new_kv: NewKV) -> None:
+    head_dim = kv_cache.shape[-1]
+    rotary_dim = new_kv.cos_sin_cache.shape[-1] if new_kv.cos_sin_cache.dim() == 2 else -1
+    if not fuses_new_kv(head_dim, rotary_dim):
+        raise ValueError(
+            f"new_kv.cos_sin_cache: shape {tuple(new_kv.cos_sin_cache.shape)}; expected "
+            f"[max_position, head_dim={head_dim}] with head_dim a power of two (full rotary)"
+        )
+    if (new_kv.cos_sin_cache.dtype != torch.float32 or new_kv.cos_sin_cache.stride(1) != 1
+            or new_kv.cos_sin_cache.device != kv_cache.device):
+        raise ValueError(
+            f"new_kv.cos_sin_cache: {new_kv.cos_sin_cache.dtype} on "
+            f"{new_kv.cos_sin_cache.device}; expected float32 on {kv_cache.device} with a "
+            "unit last stride"
+        )
+    check_new_kv(q, new_kv.k, new_kv.v, kv_cache, new_kv.slot_mapping, q.shape[0])

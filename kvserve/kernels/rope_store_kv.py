@@ -75,30 +75,49 @@ def rope_store_kv_kernel(
         rotate_heads(q_ptr + token * stride_q_token + kv_head * GROUP * stride_q_head,
                      stride_q_head, cos[None, :], sin[None, :], GROUP, GROUP_PAD, HALF, HALF_PAD)
     if slot >= 0:
-        cache_offset = ((slot // BLOCK_SIZE) * stride_cache_block
-                        + (slot % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head)
-        k_head = k_ptr + token * stride_k_token + kv_head * stride_k_head
-        k_cache_head = k_cache_ptr + cache_offset
-        cache_dtype = k_cache_ptr.dtype.element_ty
-        x1 = tl.load(k_head + dims, mask=half_mask)
-        x2 = tl.load(k_head + HALF + dims, mask=half_mask)
-        rotated1, rotated2 = rotate_pair(x1.to(tl.float32), x2.to(tl.float32), cos, sin)
-        # rounded to k's dtype, then cast to the cache's: as rotating k in place and
-        # copying it would; an out-of-range position keeps k's own bits
-        key1 = tl.where(rotate, rotated1.to(k_ptr.dtype.element_ty), x1)
-        key2 = tl.where(rotate, rotated2.to(k_ptr.dtype.element_ty), x2)
-        tl.store(k_cache_head + dims, key1.to(cache_dtype), mask=half_mask)
-        tl.store(k_cache_head + HALF + dims, key2.to(cache_dtype), mask=half_mask)
-        tail = 2 * HALF + tl.arange(0, TAIL_PAD)  # partial rotary: copied as they are
-        tail_mask = tail < HEAD_DIM
-        key_tail = tl.load(k_head + tail, mask=tail_mask)
-        tl.store(k_cache_head + tail, key_tail.to(cache_dtype), mask=tail_mask)
-        head_dims = tl.arange(0, HEAD_DIM_PAD)
-        head_mask = head_dims < HEAD_DIM
-        value = tl.load(v_ptr + token * stride_v_token + kv_head * stride_v_head + head_dims,
-                        mask=head_mask)
-        tl.store(v_cache_ptr + cache_offset + head_dims,
-                 value.to(v_cache_ptr.dtype.element_ty), mask=head_mask)
+        store_rotated_kv(k_ptr + token * stride_k_token + kv_head * stride_k_head,
+                         v_ptr + token * stride_v_token + kv_head * stride_v_head,
+                         k_cache_ptr, v_cache_ptr, slot, kv_head, rotate, cos, sin,
+                         stride_cache_block, stride_cache_slot, stride_cache_head,
+                         BLOCK_SIZE, HALF, HALF_PAD, HEAD_DIM, HEAD_DIM_PAD, TAIL_PAD)
+
+
+@triton.jit
+def store_rotated_kv(
+    k_head,  # this token's k of one KV head: [head_dim], unit stride
+    v_head,  # its v
+    k_cache_ptr, v_cache_ptr, slot, kv_head, rotate, cos, sin,
+    stride_cache_block, stride_cache_slot, stride_cache_head,
+    BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
+):
+    """Write one token's k (rotated by ``cos``/``sin`` when ``rotate``) and v of one
+    KV head into the cache at ``slot`` (>= 0): the one KV write of a rotated key,
+    shared with the decode attention kernel, which does it for a decode step."""
+    cache_offset = ((slot // BLOCK_SIZE) * stride_cache_block
+                    + (slot % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head)
+    k_cache_head = k_cache_ptr + cache_offset
+    cache_dtype = k_cache_ptr.dtype.element_ty
+    dims = tl.arange(0, HALF_PAD)
+    half_mask = dims < HALF
+    x1 = tl.load(k_head + dims, mask=half_mask)
+    x2 = tl.load(k_head + HALF + dims, mask=half_mask)
+    rotated1, rotated2 = rotate_pair(x1.to(tl.float32), x2.to(tl.float32), cos, sin)
+    # rounded to k's dtype, then cast to the cache's: as rotating k in place and
+    # copying it would; an out-of-range position keeps k's own bits
+    key1 = tl.where(rotate, rotated1.to(k_head.dtype.element_ty), x1)
+    key2 = tl.where(rotate, rotated2.to(k_head.dtype.element_ty), x2)
+    tl.store(k_cache_head + dims, key1.to(cache_dtype), mask=half_mask)
+    tl.store(k_cache_head + HALF + dims, key2.to(cache_dtype), mask=half_mask)
+    tail = 2 * HALF + tl.arange(0, TAIL_PAD)  # partial rotary: copied as they are
+    tail_mask = tail < HEAD_DIM
+    key_tail = tl.load(k_head + tail, mask=tail_mask)
+    tl.store(k_cache_head + tail, key_tail.to(cache_dtype), mask=tail_mask)
+    head_dims = tl.arange(0, HEAD_DIM_PAD)
+    head_mask = head_dims < HEAD_DIM
+    value = tl.load(v_head + head_dims, mask=head_mask)
+    tl.store(v_cache_ptr + cache_offset + head_dims,
+             value.to(v_cache_ptr.dtype.element_ty), mask=head_mask)
 
 
 def rope_store_kv(
@@ -120,29 +139,8 @@ def rope_store_kv(
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     check_rotary_inputs(positions, cos_sin_cache, head_dim, rotary_dim)
     num_tokens = positions.shape[0]
-    q3 = heads_view("q", q, num_tokens, head_dim)
-    k3 = heads_view("k", k, num_tokens, head_dim)
-    v3 = heads_view("v", v, num_tokens, head_dim)
-    for name, tensor in (("k", k3), ("v", v3)):
-        if tensor.shape[1] != num_kv_heads:
-            raise ValueError(
-                f"{name}: {tensor.shape[1]} heads; expected kv_cache's num_kv_heads={num_kv_heads}"
-            )
-        if tensor.dtype != q.dtype:
-            raise ValueError(f"{name}: dtype {tensor.dtype}; expected q's {q.dtype}")
-    if q3.shape[1] % num_kv_heads != 0:
-        raise ValueError(
-            f"q: {q3.shape[1]} heads; must be a multiple of kv_cache's "
-            f"num_kv_heads={num_kv_heads}"
-        )
-    if (slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (num_tokens,)
-            or not slot_mapping.is_contiguous()):
-        raise ValueError(
-            f"slot_mapping: {slot_mapping.dtype} of shape {tuple(slot_mapping.shape)}; expected "
-            f"a contiguous [num_tokens={num_tokens}] int64 tensor"
-        )
-    for name, tensor in (("q", q), ("k", k), ("v", v), ("slot_mapping", slot_mapping),
-                         ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+    q3, k3, v3 = check_new_kv(q, k, v, kv_cache, slot_mapping, num_tokens)
+    for name, tensor in (("positions", positions), ("cos_sin_cache", cos_sin_cache)):
         if tensor.device != kv_cache.device:
             raise ValueError(
                 f"{name}: on {tensor.device}; expected {kv_cache.device} (kv_cache's device)"
@@ -166,3 +164,40 @@ def rope_store_kv(
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         TAIL_PAD=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
     )
+
+
+def check_new_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v as ``[num_tokens, heads, head_dim]`` views, after checking them and
+    ``slot_mapping`` against a checked ``kv_cache``: the inputs of a rotated KV
+    write (here, or in the decode attention kernel)."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    q3 = heads_view("q", q, num_tokens, head_dim)
+    k3 = heads_view("k", k, num_tokens, head_dim)
+    v3 = heads_view("v", v, num_tokens, head_dim)
+    for name, tensor in (("k", k3), ("v", v3)):
+        if tensor.shape[1] != num_kv_heads:
+            raise ValueError(
+                f"{name}: {tensor.shape[1]} heads; expected kv_cache's num_kv_heads={num_kv_heads}"
+            )
+        if tensor.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {tensor.dtype}; expected q's {q.dtype}")
+    if q3.shape[1] % num_kv_heads != 0:
+        raise ValueError(
+            f"q: {q3.shape[1]} heads; must be a multiple of kv_cache's "
+            f"num_kv_heads={num_kv_heads}"
+        )
+    if (slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (num_tokens,)
+            or not slot_mapping.is_contiguous()):
+        raise ValueError(
+            f"slot_mapping: {slot_mapping.dtype} of shape {tuple(slot_mapping.shape)}; expected "
+            f"a contiguous [num_tokens={num_tokens}] int64 tensor"
+        )
+    for name, tensor in (("q", q), ("k", k), ("v", v), ("slot_mapping", slot_mapping)):
+        if tensor.device != kv_cache.device:
+            raise ValueError(
+                f"{name}: on {tensor.device}; expected {kv_cache.device} (kv_cache's device)"
+            )
+    return q3, k3, v3

@@ -39,6 +39,7 @@ Triton was imported without the interpreter.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from collections.abc import Callable
@@ -57,7 +58,7 @@ from kvserve.attention import triton_backend
 from kvserve.attention.backend import FusedRope, get_attention_backend
 from kvserve.attention.torch_ref import write_kv
 from kvserve.config import ModelConfig
-from kvserve.kernels import rotary, skinny_gemm
+from kvserve.kernels import paged_attention, rotary, skinny_gemm
 from kvserve.kernels.activation import silu_and_mul
 from kvserve.kernels.rms_norm import add_rms_norm, rms_norm
 from kvserve.kernels.rope_store_kv import rope_store_kv
@@ -432,14 +433,16 @@ def test_rope_store_kv_rejects_bad_inputs() -> None:
 @pytest.mark.parametrize("query_lens,seq_lens", [([1, 1, 1], [3, 20, 41]), (ROPE_Q, ROPE_S)],
                          ids=["decode", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("partial", [0.5, 1.0], ids=["partial", "full"])
 def test_triton_backend_fuses_rope(query_lens: list[int], seq_lens: list[int],
-                                   dtype: torch.dtype) -> None:
+                                   dtype: torch.dtype, partial: float) -> None:
     """The backend given ``rope``: the same output and cache, bit for bit, as
-    rotating first; close to the torch reference backend after the layer's rope."""
+    rotating first; close to the torch reference backend after the layer's rope.
+    A decode step with full rotary takes the decode kernel's own KV write."""
     case = make_case(query_lens, seq_lens, 4, 2, 16, 4, dtype)
     positions = torch.cat([torch.arange(s - q, s)
                            for q, s in zip(query_lens, seq_lens, strict=True)])
-    rope = RotaryEmbedding(16, ROPE_MAX_POSITION, {"partial_rotary_factor": 0.5})
+    rope = RotaryEmbedding(16, ROPE_MAX_POSITION, {"partial_rotary_factor": partial})
     triton_backend, torch_backend = get_attention_backend("triton"), get_attention_backend("torch")
     assert triton_backend.fuses_rope and not torch_backend.fuses_rope
     args = (case.metadata, 0.25, 8)
@@ -457,6 +460,56 @@ def test_triton_backend_fuses_rope(query_lens: list[int], seq_lens: list[int],
     assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
     with pytest.raises(ValueError, match="rope: the torch backend does not fuse"):
         torch_backend.forward(case.q, case.k, case.v, ref_cache, *args, rope_args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (8, 2), (4, 4)])
+@pytest.mark.parametrize("num_splits,window", [(1, None), (4, None), (8, 20)])
+def test_decode_attention_writes_new_kv_like_rope_store_kv(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, num_splits: int, window: int | None
+) -> None:
+    """``decode_attention(new_kv=...)``: the output and cache of ``rope_store_kv``
+    then ``decode_attention``, bit for bit, over one split and several (the last
+    one writes the token, earlier ones read only older positions), with a
+    padding row; q is left unrotated."""
+    query_lens, seq_lens = [1, 1, 0, 1, 1], [1, 9, 8, 40, 130]
+    case = make_case(query_lens, seq_lens, num_heads, num_kv_heads, 16, 4, dtype)
+    md = case.metadata
+    positions = torch.tensor([s - 1 for q, s in zip(query_lens, seq_lens, strict=True) if q])
+    rope = RotaryEmbedding(16, 256, {"rope_theta": 10000.0})
+    attend = functools.partial(paged_attention.decode_attention,
+                               query_start_loc=md.query_start_loc, seq_lens=md.seq_lens,
+                               block_table=md.block_table, max_seq_len=md.max_seq_len,
+                               scale=0.25, sliding_window=window, num_splits=num_splits,
+                               min_split_tokens=4)
+    pair_q, pair_cache = case.q.clone(), case.kv_cache.clone()
+    rope_store_kv(pair_q, case.k, case.v, pair_cache, md.slot_mapping, positions,
+                  rope.cos_sin_cache, 16)
+    pair = attend(pair_q, pair_cache)
+    fused_q, fused_cache = case.q.clone(), case.kv_cache.clone()
+    fused = attend(fused_q, fused_cache, new_kv=paged_attention.NewKV(
+        case.k, case.v, md.slot_mapping, rope.cos_sin_cache))
+    assert_same_bits(fused, pair)
+    assert_same_bits(fused_cache, pair_cache)
+    assert_same_bits(fused_q, case.q)
+
+
+def test_decode_attention_new_kv_needs_full_rotary() -> None:
+    case = make_case([1], [5], 4, 2, 16, 4, torch.float16)
+    md = case.metadata
+    partial = RotaryEmbedding(16, 64, {"partial_rotary_factor": 0.5})
+    assert not paged_attention.fuses_new_kv(16, partial.rotary_dim)
+    assert not paged_attention.fuses_new_kv(24, 24) and paged_attention.fuses_new_kv(16, 16)
+    with pytest.raises(ValueError, match=r"new_kv\.cos_sin_cache: shape \(64, 8\)"):
+        paged_attention.decode_attention(
+            case.q, case.kv_cache, md.query_start_loc, md.seq_lens, md.block_table, 5, 0.25,
+            new_kv=paged_attention.NewKV(case.k, case.v, md.slot_mapping, partial.cos_sin_cache))
+    full = RotaryEmbedding(16, 64, {})
+    with pytest.raises(ValueError, match=r"slot_mapping: torch\.int32"):
+        paged_attention.decode_attention(
+            case.q, case.kv_cache, md.query_start_loc, md.seq_lens, md.block_table, 5, 0.25,
+            new_kv=paged_attention.NewKV(case.k, case.v, md.slot_mapping.int(),
+                                         full.cos_sin_cache))
 
 
 # N = 40, K = 80: no block size divides N; block_k 16 divides K (no K mask), 32 and
@@ -745,29 +798,40 @@ def test_model_fuses_rope_into_the_kv_write(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With the Triton backend and the Triton ops on, every layer rotates q and k
-    in the backend's one launch, with hidden states, logits and caches bit-equal
-    to rotating first (``apply_rotary``, then ``store_kv``); with the ops off the
-    layer's torch rope runs first, and the backend's ``store_kv``."""
+    inside the backend: ``rope_store_kv`` in the mixed step, the decode kernel
+    itself (``new_kv``) in the decode step; hidden states, logits and caches are
+    bit-equal to rotating first (``apply_rotary``, then ``store_kv``). With the
+    ops off the layer's torch rope runs first, and the backend's ``store_kv``."""
     calls: dict[str, int] = {}
     count_calls(monkeypatch, triton_backend, "rope_store_kv", calls)
     count_calls(monkeypatch, triton_backend, "store_kv", calls)
     count_calls(monkeypatch, rotary, "apply_rotary", calls)
+    decode_writes: list[bool] = []  # per decode_attention call: given new_kv?
+    decode_attention = triton_backend.decode_attention
+
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+        decode_writes.append(kwargs.get("new_kv") is not None)
+        return decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", recording)
     config, model_path = resolve_model_config(str(tiny_checkpoint(variant)))
     model = load_model(config, model_path, "auto", dtype, torch.device("cpu"))
-    launches = 2 * config.num_layers  # per kernel over the two steps
+    layers = config.num_layers  # launches per kernel and step
     set_triton_ops(model, True)
     fused = model_steps(model, config, dtype, "triton")
-    assert calls == {"rope_store_kv": launches, "store_kv": 0, "apply_rotary": 0}
+    assert calls == {"rope_store_kv": layers, "store_kv": 0, "apply_rotary": 0}
+    assert decode_writes == [False] * layers + [True] * layers
     monkeypatch.setattr(triton_backend.TritonAttentionBackend, "fuses_rope", False)
     rotated_first = model_steps(model, config, dtype, "triton")
-    assert calls == {"rope_store_kv": launches, "store_kv": launches, "apply_rotary": launches}
+    assert calls == {"rope_store_kv": layers, "store_kv": 2 * layers,
+                     "apply_rotary": 2 * layers}
     for out, ref in zip(fused, rotated_first, strict=True):
         assert_same_bits(out, ref)
     monkeypatch.setattr(triton_backend.TritonAttentionBackend, "fuses_rope", True)
     set_triton_ops(model, False)
     torch_rope = model_steps(model, config, dtype, "triton")
-    assert calls == {"rope_store_kv": launches, "store_kv": 2 * launches,
-                     "apply_rotary": launches}
+    assert calls == {"rope_store_kv": layers, "store_kv": 4 * layers,
+                     "apply_rotary": 2 * layers}
     for out, ref in zip(fused[:4], torch_rope[:4], strict=True):  # other ops differ too
         error = ((out - ref).norm() / ref.norm()).item()
         assert error < (1e-4 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
