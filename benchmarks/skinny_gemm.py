@@ -50,7 +50,8 @@ MAX_ERROR = 1e-2
 # (block_n, block_k at one row, num_warps, num_stages); FMA halves block_k per
 # doubling of the rows, so its accumulator stays the same size
 FMA_SWEEP = [(8, 1024, 4, 3), (16, 512, 4, 3), (8, 512, 4, 4), (16, 256, 2, 4),
-             (32, 256, 8, 3), (8, 1024, 4, 1)]
+             (32, 256, 8, 3), (8, 1024, 4, 1), (4, 1024, 2, 3), (4, 512, 2, 4),
+             (2, 1024, 2, 4)]
 FMA_SWEEP_MAX_ROWS = 2
 # (block_n, block_k, num_warps, num_stages): mma.sync at block_n 16 / 32, wgmma at 64
 DOT_SWEEP = [(16, 256, 1, 4), (16, 256, 2, 4), (16, 512, 1, 3), (16, 128, 1, 6),
