@@ -23,7 +23,10 @@ Two kernels, each beside its launcher:
   the (request, KV head)'s semaphore; the program that arrives last merges
   every used split of the group (as many heads per round of loads as its
   tile holds), writes the output and resets the semaphore to 0 (split-K with
-  a semaphore: no second launch for the reduction). Each request cuts its own
+  a semaphore: no second launch for the reduction). In a decode step it can
+  also do ``rope_store_kv``'s work (``new_kv``): each program rotates its q in
+  registers, and the one holding the last position writes the new k and v
+  before its own loads read them. Each request cuts its own
   context into equal slices, so the grid depends on the batch size alone: a
   CUDA graph replays it for any context, and an eager step of the same batch
   does exactly the same arithmetic.
