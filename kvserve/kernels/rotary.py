@@ -19,7 +19,8 @@ instead of reading past the cache, so padded rows of a CUDA-graph batch may
 carry any position. Nothing is read back to the host.
 
 The Triton attention backend does not launch this kernel: it rotates in
-``rope_store_kv.py``, fused with its KV write, through the same
+``rope_store_kv.py``, fused with its KV write, or in a decode step inside
+the decode attention kernel (``paged_attention.py``), through the same
 ``rotate_pair``. This one serves ``RotaryEmbedding`` with ``use_triton``
 under a backend that does not fuse.
 """
@@ -36,8 +37,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def rotate_pair(x1, x2, cos, sin):
     """The rotated halves ``(x1 cos - x2 sin, x2 cos + x1 sin)``, in float32: the one
-    expression of the rotation, shared with ``rope_store_kv.py`` so that both
-    kernels compile it alike and round alike."""
+    expression of the rotation, shared with ``rope_store_kv.py`` and
+    ``paged_attention.py`` so that the kernels compile it alike and round alike."""
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
