@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.rope_store_kv import check_new_kv, store_rotated_kv
-from kvserve.kernels.rotary import heads_view, rotate_pair
+from kvserve.kernels.rotary import rotate_pair
 from kvserve.kernels.store_kv import check_kv_cache
 
 LOG2E = 1.4426950408889634
@@ -652,8 +652,11 @@ def decode_attention(
     out = _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
                         out)
     num_tokens, num_heads, head_dim = q.shape
-    if new_kv is not None:
-        _check_new_kv(q, kv_cache, new_kv)
+    if new_kv is None:  # the new-KV pointers go unread: any tensor of the right dtype will do
+        new_k, new_v, slots, cos_sin = q, q, seq_lens, out
+    else:
+        new_k, new_v = _check_new_kv(q, kv_cache, new_kv)
+        slots, cos_sin = new_kv.slot_mapping, new_kv.cos_sin_cache
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0 or max_seq_len < 1:
@@ -686,12 +689,6 @@ def decode_attention(
         part_out = part_max = part_sum = out
         semaphores = seq_lens  # unused by the one-split kernel
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    if new_kv is None:  # the pointers go unread: any tensor of the right dtype will do
-        new_k, new_v, slots, cos_sin = q, q, seq_lens, out
-    else:
-        new_k, new_v = (heads_view(name, x, num_tokens, head_dim)
-                        for name, x in (("k", new_kv.k), ("v", new_kv.v)))
-        slots, cos_sin = new_kv.slot_mapping, new_kv.cos_sin_cache
     decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_max, part_sum, semaphores,
         query_start_loc, seq_lens, block_table, new_k, new_v, slots, cos_sin, cos_sin.shape[0],
@@ -736,7 +733,10 @@ def fuses_new_kv(head_dim: int, rotary_dim: int) -> bool:
     return rotary_dim == head_dim and head_dim >= 2 and head_dim & (head_dim - 1) == 0
 
 
-def _check_new_kv(q: torch.Tensor, kv_cache: torch.Tensor, new_kv: NewKV) -> None:
+def _check_new_kv(q: torch.Tensor, kv_cache: torch.Tensor,
+                  new_kv: NewKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """``new_kv``'s k and v as ``[num_tokens, num_kv_heads, head_dim]`` views, after
+    checking them, its slot mapping and its cos/sin cache."""
     head_dim = kv_cache.shape[-1]
     rotary_dim = new_kv.cos_sin_cache.shape[-1] if new_kv.cos_sin_cache.dim() == 2 else -1
     if not fuses_new_kv(head_dim, rotary_dim):
@@ -751,4 +751,6 @@ def _check_new_kv(q: torch.Tensor, kv_cache: torch.Tensor, new_kv: NewKV) -> Non
             f"{new_kv.cos_sin_cache.device}; expected float32 on {kv_cache.device} with a "
             "unit last stride"
         )
-    check_new_kv(q, new_kv.k, new_kv.v, kv_cache, new_kv.slot_mapping, q.shape[0])
+    _, new_k, new_v = check_new_kv(q, new_kv.k, new_kv.v, kv_cache, new_kv.slot_mapping,
+                                   q.shape[0])
+    return new_k, new_v
