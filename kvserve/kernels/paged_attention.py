@@ -52,7 +52,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kvserve.kernels.pdl import use_pdl
 from kvserve.kernels.rope_store_kv import check_new_kv, store_rotated_kv
 from kvserve.kernels.rotary import rotate_pair
 from kvserve.kernels.store_kv import check_kv_cache
@@ -292,6 +294,7 @@ def decode_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     FUSE_ROPE: tl.constexpr,  # rotate q and write the new k, v here (rope_store_kv's work)
     HALF: tl.constexpr,  # head_dim // 2, a power of two, when FUSE_ROPE
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (kernels/pdl.py)
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -339,6 +342,12 @@ def decode_attention_kernel(
         cos_sin_row = cos_sin_ptr + tl.where(rotate, pos, 0).to(tl.int64) * stride_cos_sin_pos
         cos = tl.load(cos_sin_row + halves)
         sin = tl.load(cos_sin_row + HALF + halves)
+    if PDL:
+        # everything above is the step's input; q, k and v are the previous
+        # kernel's output. Once they are readable, the next kernel may start.
+        gdc_wait()
+        gdc_launch_dependents()
+    if FUSE_ROPE:
         x1 = tl.load(q_row + halves[None, :], mask=row_valid[:, None], other=0.0)
         x2 = tl.load(q_row + HALF + halves[None, :], mask=row_valid[:, None], other=0.0)
         rotated1, rotated2 = rotate_pair(x1.to(tl.float32), x2.to(tl.float32),
@@ -689,6 +698,7 @@ def decode_attention(
         part_out = part_max = part_sum = out
         semaphores = seq_lens  # unused by the one-split kernel
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    pdl = use_pdl(q.device)
     decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_max, part_sum, semaphores,
         query_start_loc, seq_lens, block_table, new_k, new_v, slots, cos_sin, cos_sin.shape[0],
@@ -711,8 +721,10 @@ def decode_attention(
         DOT_PRECISION=_dot_precision(kv_cache.dtype),
         FUSE_ROPE=new_kv is not None,
         HALF=head_dim // 2,
+        PDL=pdl,
         num_warps=4,
         num_stages=2,
+        launch_pdl=pdl,
     )
     return out
 

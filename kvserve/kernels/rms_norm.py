@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kvserve.kernels.pdl import use_pdl
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -39,12 +42,17 @@ def rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (kernels/pdl.py)
 ):
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1)
     dims = tl.arange(0, BLOCK)
     mask = dims < HIDDEN
     out_offset = (row * tl.num_programs(1) + col) * HIDDEN + dims
+    weight = tl.load(weight_ptr + dims, mask=mask, other=0.0)
+    if PDL:  # the weight is constant; x is the previous kernel's output
+        gdc_wait()
+        gdc_launch_dependents()  # one short pass: the next kernel may load its weights
     x = tl.load(x_ptr + row * stride_x_row + col * stride_x_col + dims, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_res_row + col * stride_res_col + dims,
@@ -56,7 +64,6 @@ def rms_norm_kernel(
     # correctly rounded sqrt and division: one scalar per row, so precision is free
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(variance + eps))
     normed = (x32 * inv_rms).to(x_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + dims, mask=mask, other=0.0)
     out = weight.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + out_offset, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -108,13 +115,16 @@ def _launch(
     if out.numel() == 0:
         return out, summed
     block = triton.next_power_of_2(hidden)
+    pdl = use_pdl(x.device)
     rms_norm_kernel[(num_rows, num_cols)](
         x_rows, res_rows, weight, out, out if summed is None else summed, eps,
         x_rows.stride(0), x_rows.stride(1), res_rows.stride(0), res_rows.stride(1),
         HIDDEN=hidden,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
+        PDL=pdl,
         num_warps=min(max(block // 256, 1), 8),
+        launch_pdl=pdl,
     )
     return out, summed
 

@@ -47,6 +47,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kvserve.kernels.pdl import use_pdl
 
 DTYPES = (torch.bfloat16, torch.float16)
 SKINNY_MAX_M = 16
@@ -106,6 +109,7 @@ def skinny_matmul_kernel(
     USE_DOT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     GATED: tl.constexpr,  # x = silu(gate) * up, computed from gate_up as it is loaded
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (kernels/pdl.py)
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     rows = tl.arange(0, BLOCK_M)  # rows of x and of the output
@@ -121,28 +125,19 @@ def skinny_matmul_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            w = tl.load(w_ptrs + k)
-            x = tl.load(x_ptrs + k, mask=x_mask, other=0.0)
-            if GATED:
-                up = tl.load(x_ptrs + K + k, mask=x_mask, other=0.0)
-        else:
-            k_mask = (ks + k < K)[None, :]
-            w = tl.load(w_ptrs + k, mask=k_mask, other=0.0)
-            x = tl.load(x_ptrs + k, mask=x_mask & k_mask, other=0.0)
-            if GATED:
-                up = tl.load(x_ptrs + K + k, mask=x_mask & k_mask, other=0.0)
-        if GATED:  # kernels/activation.py's rounding: silu rounded, then the product
-            gate = x.to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
-            x = (silu.to(tl.float32) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        if USE_DOT:
-            acc = tl.dot(w, tl.trans(x), acc)  # swap-AB: W is the MMA's M side
-        elif BLOCK_M == 1:
-            acc += x.to(tl.float32) * w.to(tl.float32)  # x [1, BLOCK_K] broadcast over W's rows
-        else:
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    first_k = 0
+    if PDL:
+        # W is constant: its first tile loads before the wait for the kernel
+        # that writes x, so it streams during that kernel's tail
+        w = _weight_tile(w_ptrs, ks, 0, K, EVEN_K)
+        gdc_wait()
+        acc = _accumulate(acc, w, x_ptrs, x_mask, ks, 0, K, EVEN_K, GATED, USE_DOT, BLOCK_M)
+        first_k = BLOCK_K
+    for k in tl.range(first_k, K, BLOCK_K, num_stages=NUM_STAGES):
+        w = _weight_tile(w_ptrs, ks, k, K, EVEN_K)
+        acc = _accumulate(acc, w, x_ptrs, x_mask, ks, k, K, EVEN_K, GATED, USE_DOT, BLOCK_M)
+    if PDL:  # the next kernel may start loading its own weights
+        gdc_launch_dependents()
     if USE_DOT:
         out = tl.trans(acc)
     elif BLOCK_M == 1:
@@ -156,6 +151,36 @@ def skinny_matmul_kernel(
     out_ptrs = out_ptr + rows[:, None] * N + cols[None, :]
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weight_tile(w_ptrs, ks, k, K, EVEN_K: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile at ``k``, unmasked when ``EVEN_K``."""
+    if EVEN_K:
+        w = tl.load(w_ptrs + k)
+    else:
+        w = tl.load(w_ptrs + k, mask=(ks + k < K)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _accumulate(acc, w, x_ptrs, x_mask, ks, k, K, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+                USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``acc`` plus the weight tile ``w`` times x's chunk at ``k`` (loaded here)."""
+    k_mask = x_mask if EVEN_K else x_mask & (ks + k < K)[None, :]
+    x = tl.load(x_ptrs + k, mask=k_mask, other=0.0)
+    if GATED:  # kernels/activation.py's rounding: silu rounded, then the product
+        up = tl.load(x_ptrs + K + k, mask=k_mask, other=0.0)
+        gate = x.to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(x.dtype)
+        x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+    if USE_DOT:
+        acc = tl.dot(w, tl.trans(x), acc)  # swap-AB: W is the MMA's M side
+    elif BLOCK_M == 1:
+        acc += x.to(tl.float32) * w.to(tl.float32)  # x [1, BLOCK_K] broadcast over W's rows
+    else:
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
 
 
 @functools.lru_cache(maxsize=8)
@@ -247,6 +272,7 @@ def skinny_matmul(
         return out
     if config is None:
         config = default_config(m, n, k, _num_sms(x.device))
+    pdl = use_pdl(x.device)
     skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, weight if bias is None else bias, out,
         m, n, k, x.stride(0),
@@ -258,7 +284,9 @@ def skinny_matmul(
         USE_DOT=config.use_dot,
         NUM_STAGES=config.num_stages,
         GATED=gated,
+        PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=pdl,
     )
     return out

@@ -1,6 +1,7 @@
 """CUDA graphs and start-up memory sizing on a CUDA device (skipped without
-one): greedy and seeded tokens identical with graphs on and off and with
-async scheduling on and off, batch 1 equal to batch 64, graphs actually
+one): greedy and seeded tokens identical with graphs on and off, with
+async scheduling on and off and with programmatic dependent launch on and
+off, batch 1 equal to batch 64, graphs actually
 replayed, the KV pool sized from a profiled step, and models or contexts that
 cannot fit refused at once."""
 
@@ -74,6 +75,33 @@ def test_graphs_on_and_off_give_identical_tokens(
     assert count_replays and max(count_replays) >= num_prompts
     assert count_token_replays  # the prefill steps replayed token graphs
     assert _tokens(graphs, prompts, seeded) == _tokens(eager, prompts, seeded)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_pdl_on_and_off_give_identical_tokens(
+    enforce_eager: bool, tiny_checkpoint: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Programmatic dependent launch (kernels/pdl.py) changes when kernels
+    start, not what they compute: the same greedy tokens with it on and off,
+    at batch 1 (the skinny GEMM, RMSNorm and decode attention all launched
+    with it) and at batch 5, in graphs (captured with it on or off) and eager."""
+    from kvserve.kernels import pdl
+
+    path = str(tiny_checkpoint("llama"))
+    kwargs = dict(model=path, dtype="bfloat16", device="cuda", max_num_seqs=8,
+                  gpu_memory_utilization=0.3, enforce_eager=enforce_eager)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(pdl, "_enabled", enabled)
+        assert pdl.use_pdl(torch.device("cuda")) == (
+            enabled and torch.cuda.get_device_capability() >= (9, 0))
+        llm = LLM(**kwargs)
+        tokens[enabled] = [_tokens(llm, _prompts(1, seed=3), greedy),
+                           _tokens(llm, _prompts(5, seed=4), greedy)]
+        del llm
+    assert tokens[True] == tokens[False]
 
 
 def test_mixed_chunked_steps_replay_token_graphs_with_eager_tokens(
