@@ -114,6 +114,20 @@ def _load_kv_tile(
     return k, v
 
 
+@triton.jit
+def _attend_tile(q, k, v, key_valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One K/V tile of the decode kernel's online softmax: the running max
+    ``m_i`` and sum ``l_i`` (base 2) and the unnormalised output ``acc``."""
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    scores = tl.where(key_valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["num_reqs", "sliding_window", "stride_bt"])
 def prefill_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -330,21 +344,34 @@ def decode_attention_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
     q_row = q_ptr + q_start * stride_q_token + head[:, None] * stride_q_head  # [ROWS, 1]
+    m_i = tl.full([ROWS], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+    block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    loop_start = split_start
     if FUSE_ROPE:
         # rope_store_kv's work for this token: a decode token sits at position
         # seq_len - 1. Every split rotates the group's q in registers (q in
         # memory stays as it was); the split that holds the last position also
         # writes the token's k (rotated) and v, then its barrier makes them
         # visible to its own tile loads below, the only ones that read them.
+        # The split's first tile loads first, before q: only its row at this
+        # token's position, if it holds it, is read again after the write.
         pos = seq_len - 1
         rotate = pos < max_position
         halves = tl.arange(0, HALF)
         cos_sin_row = cos_sin_ptr + tl.where(rotate, pos, 0).to(tl.int64) * stride_cos_sin_pos
         cos = tl.load(cos_sin_row + halves)
         sin = tl.load(cos_sin_row + HALF + halves)
+        first_pos = split_start + tl.arange(0, BLOCK_N)
+        first_valid = first_pos < split_end
+        first_k, first_v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table_row, first_pos, first_valid, kv_head, dims,
+            dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE)
     if PDL:
-        # everything above is the step's input; q, k and v are the previous
-        # kernel's output. Once they are readable, the next kernel may start.
+        # everything above is the step's input or earlier steps' cache; q, k
+        # and v are the previous kernel's output. Once they are readable, the
+        # next kernel may start.
         gdc_wait()
         gdc_launch_dependents()
     if FUSE_ROPE:
@@ -366,28 +393,27 @@ def decode_attention_kernel(
                     stride_cache_block, stride_cache_slot, stride_cache_head,
                     BLOCK_SIZE, HALF, HALF, HEAD_DIM, HEAD_DIM_PAD, 1)
             tl.debug_barrier()
+        this_token = first_valid & (first_pos == pos)  # all false but in the last split
+        new_k, new_v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table_row, first_pos, this_token, kv_head, dims,
+            dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE)
+        first_k = tl.where(this_token[:, None], new_k, first_k)
+        first_v = tl.where(this_token[:, None], new_v, first_v)
+        m_i, l_i, acc = _attend_tile(q, first_k, first_v, first_valid, m_i, l_i, acc,
+                                     scale_log2, DOT_PRECISION)
+        loop_start = split_start + BLOCK_N
     else:
         q = tl.load(q_row + dims[None, :], mask=row_valid[:, None] & dim_mask[None, :],
                     other=0.0)  # [ROWS, HEAD_DIM_PAD]
 
-    m_i = tl.full([ROWS], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
-    block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    for tile_start in range(split_start, split_end, BLOCK_N):
+    for tile_start in range(loop_start, split_end, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)
         key_valid = key_pos < split_end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row, key_pos, key_valid,
                              kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot,
                              stride_cache_head, BLOCK_SIZE)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(key_valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, key_valid, m_i, l_i, acc, scale_log2,
+                                     DOT_PRECISION)
 
     store_mask = row_valid[:, None] & dim_mask[None, :]
     if useful_splits == 1:
