@@ -41,7 +41,13 @@ buffer per device (``decode_semaphores``), zeroed once when allocated and
 left zeroed by every launch, so no call pays a memset. It only grows, and a
 buffer once handed out is never freed, because a CUDA graph keeps its
 address. Decode launches on one device must therefore not overlap in time
-(one stream, as the engine runs; programmatic dependent launch off).
+(one stream, as the engine runs). Programmatic dependent launch keeps that:
+a decode launch may start early only beside the kernel just before it, and
+its programs touch the semaphores only after ``gdc_wait``, by which time
+every earlier kernel, the previous decode launch included, has finished.
+With PDL (``kernels/pdl.py``) the decode kernel reads the step's inputs
+(and, with ``new_kv``, its first K/V tile) before that wait and lets the
+next kernel start right after it.
 """
 
 from __future__ import annotations

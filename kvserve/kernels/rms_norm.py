@@ -11,6 +11,11 @@ which stays the oracle, with torch's rounding of 16-bit ops:
   sum ``s32``, rounded to the dtype;
 - ``out = weight * normed``: both upcast, multiplied in float32, rounded once.
 
+With programmatic dependent launch (``kernels/pdl.py``) a program loads the
+weight, waits for the kernel that writes its input and lets the next kernel
+start at once: a one-row norm is short, and the GEMM after it can load its
+first weight tile meanwhile.
+
 Outputs are new contiguous tensors (torch.empty, so CUDA-graph capture works);
 inputs are never written and nothing is read back to the host.
 """

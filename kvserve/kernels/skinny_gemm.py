@@ -32,6 +32,13 @@ With ``GATED`` the input is ``silu(gate) * up`` of a ``[M, 2K]`` gate-and-up
 product, computed in registers as each chunk is loaded (the down projection
 of an MLP without the separate SiLU-and-mul kernel).
 
+With programmatic dependent launch (``kernels/pdl.py``, Hopper) a program
+loads its first weight tile, waits for the kernel that writes ``x``, and
+lets the next kernel start once its K loop is done: the weight stream
+starts while the kernel before it finishes. (Letting the next kernel start
+at once, or asking L2 for a whole weight before the wait, measured slower
+in W1 on an H100; decision 0015.)
+
 Rounding is cuBLAS's: products and sums in float32, the bias added in
 float32, one rounding to the output dtype. ``default_config(m, n, k)`` is a
 fixed heuristic (no autotuning, which would time candidates at start-up and
