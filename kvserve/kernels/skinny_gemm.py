@@ -33,11 +33,12 @@ product, computed in registers as each chunk is loaded (the down projection
 of an MLP without the separate SiLU-and-mul kernel).
 
 With programmatic dependent launch (``kernels/pdl.py``, Hopper) a program
-loads its first weight tile, waits for the kernel that writes ``x``, and
-lets the next kernel start once its K loop is done: the weight stream
-starts while the kernel before it finishes. (Letting the next kernel start
-at once, or asking L2 for a whole weight before the wait, measured slower
-in W1 on an H100; decision 0015.)
+loads its first ``PRELOAD_TILES`` weight tiles, waits for the kernel that
+writes ``x``, and lets the next kernel start once its K loop is done: the
+weight stream starts while the kernel before it finishes. (Two tiles beat
+one and three; letting the next kernel start at once, or asking L2 for a
+whole weight before the wait, measured slower in W1 on an H100; decision
+0015.)
 
 Rounding is cuBLAS's: products and sums in float32, the bias added in
 float32, one rounding to the output dtype. ``default_config(m, n, k)`` is a
@@ -73,6 +74,7 @@ DOT_TILE_ELEMENTS = 4096  # BLOCK_N * BLOCK_K: an 8 KB 16-bit weight tile a stag
 # not its down projection, K = 14,336, nor its LM head, N = 128,256)
 THIN_MAX_K = 8192
 THIN_MAX_N = 32768
+PRELOAD_TILES = 2  # weight tiles a program loads before its PDL wait (at most 3)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ def skinny_matmul_kernel(
     NUM_STAGES: tl.constexpr,
     GATED: tl.constexpr,  # x = silu(gate) * up, computed from gate_up as it is loaded
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (kernels/pdl.py)
+    PRELOAD: tl.constexpr,  # with PDL: weight tiles loaded before the wait (1-3, <= K's)
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     rows = tl.arange(0, BLOCK_M)  # rows of x and of the output
@@ -134,12 +137,22 @@ def skinny_matmul_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     first_k = 0
     if PDL:
-        # W is constant: its first tile loads before the wait for the kernel
-        # that writes x, so it streams during that kernel's tail
+        # W is constant: its first PRELOAD tiles load before the wait for the
+        # kernel that writes x, so they stream during that kernel's tail
         w = _weight_tile(w_ptrs, ks, 0, K, EVEN_K)
+        if PRELOAD >= 2:
+            w_second = _weight_tile(w_ptrs, ks, BLOCK_K, K, EVEN_K)
+        if PRELOAD >= 3:
+            w_third = _weight_tile(w_ptrs, ks, 2 * BLOCK_K, K, EVEN_K)
         gdc_wait()
         acc = _accumulate(acc, w, x_ptrs, x_mask, ks, 0, K, EVEN_K, GATED, USE_DOT, BLOCK_M)
-        first_k = BLOCK_K
+        if PRELOAD >= 2:
+            acc = _accumulate(acc, w_second, x_ptrs, x_mask, ks, BLOCK_K, K, EVEN_K, GATED,
+                              USE_DOT, BLOCK_M)
+        if PRELOAD >= 3:
+            acc = _accumulate(acc, w_third, x_ptrs, x_mask, ks, 2 * BLOCK_K, K, EVEN_K, GATED,
+                              USE_DOT, BLOCK_M)
+        first_k = PRELOAD * BLOCK_K
     for k in tl.range(first_k, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _weight_tile(w_ptrs, ks, k, K, EVEN_K)
         acc = _accumulate(acc, w, x_ptrs, x_mask, ks, k, K, EVEN_K, GATED, USE_DOT, BLOCK_M)
@@ -292,6 +305,7 @@ def skinny_matmul(
         NUM_STAGES=config.num_stages,
         GATED=gated,
         PDL=pdl,
+        PRELOAD=min(PRELOAD_TILES, triton.cdiv(k, config.block_k)),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
