@@ -74,7 +74,7 @@ DOT_TILE_ELEMENTS = 4096  # BLOCK_N * BLOCK_K: an 8 KB 16-bit weight tile a stag
 # not its down projection, K = 14,336, nor its LM head, N = 128,256)
 THIN_MAX_K = 8192
 THIN_MAX_N = 32768
-PRELOAD_TILES = 2  # weight tiles a program loads before its PDL wait (at most 3)
+PRELOAD_TILES = 2  # weight tiles a program loads before its PDL wait (1 or 2)
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def skinny_matmul_kernel(
     NUM_STAGES: tl.constexpr,
     GATED: tl.constexpr,  # x = silu(gate) * up, computed from gate_up as it is loaded
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (kernels/pdl.py)
-    PRELOAD: tl.constexpr,  # with PDL: weight tiles loaded before the wait (1-3, <= K's)
+    PRELOAD: tl.constexpr,  # with PDL: weight tiles loaded before the wait (1 or 2, <= K's)
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     rows = tl.arange(0, BLOCK_M)  # rows of x and of the output
@@ -140,17 +140,12 @@ def skinny_matmul_kernel(
         # W is constant: its first PRELOAD tiles load before the wait for the
         # kernel that writes x, so they stream during that kernel's tail
         w = _weight_tile(w_ptrs, ks, 0, K, EVEN_K)
-        if PRELOAD >= 2:
+        if PRELOAD == 2:
             w_second = _weight_tile(w_ptrs, ks, BLOCK_K, K, EVEN_K)
-        if PRELOAD >= 3:
-            w_third = _weight_tile(w_ptrs, ks, 2 * BLOCK_K, K, EVEN_K)
         gdc_wait()
         acc = _accumulate(acc, w, x_ptrs, x_mask, ks, 0, K, EVEN_K, GATED, USE_DOT, BLOCK_M)
-        if PRELOAD >= 2:
+        if PRELOAD == 2:
             acc = _accumulate(acc, w_second, x_ptrs, x_mask, ks, BLOCK_K, K, EVEN_K, GATED,
-                              USE_DOT, BLOCK_M)
-        if PRELOAD >= 3:
-            acc = _accumulate(acc, w_third, x_ptrs, x_mask, ks, 2 * BLOCK_K, K, EVEN_K, GATED,
                               USE_DOT, BLOCK_M)
         first_k = PRELOAD * BLOCK_K
     for k in tl.range(first_k, K, BLOCK_K, num_stages=NUM_STAGES):
