@@ -271,10 +271,16 @@ def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     start as NaN (floating) or their dtype's maximum (integer), so an element a
     kernel never writes shows."""
     real_empty = torch.empty
+    # `with torch.device(...)` caches the constructors it redirects the first
+    # time it redirects one in the process. Fill that cache with the real
+    # torch.empty now, or it would hold the wrapper below, and every later
+    # block would leave torch.empty on the CPU (an engine built on "cuda" in
+    # a later test would get CPU parameters).
+    with torch.device("cpu"):
+        real_empty(0)
 
     def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        # a `with torch.device(...)` block may have cached this wrapper, not
-        # torch.empty, as the constructor it redirects: name its device here
+        # the blocks' cache holds torch.empty, not this wrapper: name the device
         kwargs.setdefault("device", torch.get_default_device())
         tensor = real_empty(*args, **kwargs)
         if tensor.is_floating_point():
