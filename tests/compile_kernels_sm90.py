@@ -1,0 +1,67 @@
+"""Compile the decode path's Triton kernels for sm_90 (Hopper) with no GPU:
+``python -m tests.compile_kernels_sm90`` (run by
+``tests/unit/test_kernels_compile_for_hopper.py`` in a process without
+``TRITON_INTERPRET``). Every variant of the launchers' constexprs that the
+interpreter tests cannot reach is built: the programmatic-dependent-launch
+branches, and the compiler's own rules (a jit helper must return one type
+from all of its branches), which the interpreter does not enforce."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvserve.kernels.paged_attention import decode_attention_kernel
+from kvserve.kernels.rms_norm import rms_norm_kernel
+from kvserve.kernels.skinny_gemm import skinny_matmul_kernel
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def build(fn: Any, pointers: dict[str, str], constexprs: dict[str, Any], floats: tuple[str, ...],
+          **options: int) -> None:
+    """Compile ``fn`` to a cubin: pointer args of the given types, float args
+    ``floats``, every other runtime arg an int32."""
+    signature = {name: pointers.get(name, "fp32" if name in floats else "i32")
+                 for name in fn.arg_names if name not in constexprs}
+    triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=HOPPER,
+                   options=options)
+
+
+def main() -> None:
+    bf16 = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr")}
+    for pdl, preload, (block_m, use_dot, gated), even_k in itertools.product(
+            (False, True), (1, 2), ((1, False, False), (1, False, True), (4, False, False),
+                                    (16, True, False)), (True, False)):
+        build(skinny_matmul_kernel, bf16, dict(
+            BLOCK_M=block_m, BLOCK_N=16 if use_dot else 4, BLOCK_K=256 if use_dot else 1024,
+            EVEN_K=even_k, HAS_BIAS=True, USE_DOT=use_dot, NUM_STAGES=3, GATED=gated,
+            PDL=pdl, PRELOAD=preload), (), num_warps=2, num_stages=3)
+    norm_pointers = {name: "*bf16" for name in
+                     ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "summed_ptr")}
+    for pdl, residual in itertools.product((False, True), (False, True)):
+        build(rms_norm_kernel, norm_pointers,
+              dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=residual, PDL=pdl), ("eps",),
+              num_warps=8)
+    attention_pointers = {name: "*bf16" for name in (
+        "q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "new_k_ptr", "new_v_ptr")}
+    attention_pointers.update({name: "*fp32" for name in (
+        "part_out_ptr", "part_max_ptr", "part_sum_ptr", "cos_sin_ptr")})
+    attention_pointers.update({name: "*i32" for name in (
+        "semaphore_ptr", "query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")})
+    attention_pointers["slot_mapping_ptr"] = "*i64"
+    for pdl, fuse_rope, window in itertools.product((False, True), (False, True), (False, True)):
+        build(decode_attention_kernel, attention_pointers, dict(
+            BLOCK_SIZE=16, GROUP=4, ROWS=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_N=64,
+            USE_WINDOW=window, NUM_SPLITS_IS_ONE=False, SPLITS_PAD=16, MERGE_HEADS=4,
+            MIN_SPLIT=64, DOT_PRECISION="ieee", FUSE_ROPE=fuse_rope, HALF=64, PDL=pdl),
+            ("scale_log2",), num_warps=4, num_stages=2)
+    print("compiled for sm_90")
+
+
+if __name__ == "__main__":
+    main()
