@@ -300,7 +300,8 @@ def skinny_matmul(
         NUM_STAGES=config.num_stages,
         GATED=gated,
         PDL=pdl,
-        PRELOAD=min(PRELOAD_TILES, triton.cdiv(k, config.block_k)),
+        # read only with PDL; a constant otherwise, so no build per K
+        PRELOAD=min(PRELOAD_TILES, triton.cdiv(k, config.block_k)) if pdl else 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
