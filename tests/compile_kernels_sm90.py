@@ -1,5 +1,5 @@
-"""Compile the decode path's Triton kernels for sm_90 (Hopper) with no GPU:
-``python -m tests.compile_kernels_sm90`` (run by
+"""Compile the decode path's Triton kernels and the KV writes beside them for
+sm_90 (Hopper) with no GPU: ``python -m tests.compile_kernels_sm90`` (run by
 ``tests/unit/test_kernels_compile_for_hopper.py`` in a process without
 ``TRITON_INTERPRET``). Every variant of the launchers' constexprs that the
 interpreter tests cannot reach is built: the programmatic-dependent-launch
@@ -17,7 +17,9 @@ from triton.compiler import ASTSource
 
 from kvserve.kernels.paged_attention import decode_attention_kernel
 from kvserve.kernels.rms_norm import rms_norm_kernel
+from kvserve.kernels.rope_store_kv import rope_store_kv_kernel
 from kvserve.kernels.skinny_gemm import skinny_matmul_kernel
+from kvserve.kernels.store_kv import store_kv_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -60,6 +62,14 @@ def main() -> None:
             USE_WINDOW=window, NUM_SPLITS_IS_ONE=False, SPLITS_PAD=16, MERGE_HEADS=4,
             MIN_SPLIT=64, DOT_PRECISION="ieee", FUSE_ROPE=fuse_rope, HALF=64, PDL=pdl),
             ("scale_log2",), num_warps=4, num_stages=2)
+    kv_pointers = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "k_cache_ptr",
+                                               "v_cache_ptr")}
+    kv_pointers |= {"slot_mapping_ptr": "*i64", "positions_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+    for rotary_dim in (128, 64):  # full and partial rotary
+        build(rope_store_kv_kernel, kv_pointers, dict(
+            BLOCK_SIZE=16, GROUP=4, GROUP_PAD=4, HALF=rotary_dim // 2, HALF_PAD=rotary_dim // 2,
+            HEAD_DIM=128, HEAD_DIM_PAD=128, TAIL_PAD=max(128 - rotary_dim, 1)), ())
+    build(store_kv_kernel, kv_pointers, dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128), ())
     print("compiled for sm_90")
 
 

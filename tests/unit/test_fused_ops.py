@@ -494,6 +494,39 @@ def test_decode_attention_writes_new_kv_like_rope_store_kv(
     assert_same_bits(fused_q, case.q)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_attention_new_kv_with_a_negative_slot(num_splits: int) -> None:
+    """A decode row whose slot is negative (CUDA-graph padding) writes nothing
+    and attends over the cache as it is, as ``rope_store_kv`` then
+    ``decode_attention`` would, bit for bit; the other rows are unaffected."""
+    query_lens, seq_lens = [1, 1, 1], [9, 40, 130]
+    case = make_case(query_lens, seq_lens, 8, 2, 16, 4, torch.bfloat16)
+    md = case.metadata
+    slots = md.slot_mapping.clone()
+    slots[1] = -1
+    positions = torch.tensor([s - 1 for s in seq_lens])
+    rope = RotaryEmbedding(16, 256, {"rope_theta": 10000.0})
+    attend = functools.partial(paged_attention.decode_attention,
+                               query_start_loc=md.query_start_loc, seq_lens=md.seq_lens,
+                               block_table=md.block_table, max_seq_len=md.max_seq_len,
+                               scale=0.25, num_splits=num_splits, min_split_tokens=4)
+    pair_q, pair_cache = case.q.clone(), case.kv_cache.clone()
+    rope_store_kv(pair_q, case.k, case.v, pair_cache, slots, positions, rope.cos_sin_cache, 16)
+    pair = attend(pair_q, pair_cache)
+    fused_cache = case.kv_cache.clone()
+    fused = attend(case.q.clone(), fused_cache, new_kv=paged_attention.NewKV(
+        case.k, case.v, slots, rope.cos_sin_cache))
+    assert_same_bits(fused, pair)
+    assert_same_bits(fused_cache, pair_cache)
+    block_size = case.kv_cache.shape[2]
+    skipped = int(md.slot_mapping[1])  # where row 1's token would have gone
+    untouched = case.kv_cache[:, skipped // block_size, skipped % block_size]
+    assert_same_bits(fused_cache[:, skipped // block_size, skipped % block_size], untouched)
+    written = int(md.slot_mapping[2])
+    assert not torch.equal(fused_cache[:, written // block_size, written % block_size],
+                           case.kv_cache[:, written // block_size, written % block_size])
+
+
 def test_decode_attention_new_kv_needs_full_rotary() -> None:
     case = make_case([1], [5], 4, 2, 16, 4, torch.float16)
     md = case.metadata
