@@ -1,0 +1,62 @@
+"""What a model's weight quantisation is, as plain data (no torch).
+
+``QuantConfig`` says how the linears of a model are stored: bits, group
+size, symmetric or with zero points, act-order, which linears stay in 16
+bits, and the checkpoint format the tensors come in (None when kvserve
+quantises a 16-bit checkpoint itself at load, round-to-nearest). It is read
+from ``config.json``'s ``quantization_config`` (``quant/formats``) or made
+from ``--quantization``; ``ModelConfig.quantization`` carries it to the
+layers. Nothing here reads files.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+WEIGHT_BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128, -1)  # -1: one group per output row (per channel)
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2", "awq", "compressed-tensors")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Weight-only quantisation of a model's linears (see ``quant/packing.py``)."""
+
+    bits: int
+    group_size: int  # -1: per output channel
+    symmetric: bool = True
+    # None: quantised by kvserve at load from 16-bit weights; else the stored format
+    checkpoint_format: str | None = None
+    act_order: bool = False  # GPTQ desc_act: each linear has a g_idx
+    # linears left in 16 bits: full module names (``lm_head``,
+    # ``model.layers.0.mlp.down_proj``) or ``re:``-prefixed regexes, as
+    # compressed-tensors writes them; a packed linear matches by its HF parts
+    ignore: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self) -> None:
+        if self.bits not in WEIGHT_BITS:
+            raise ValueError(f"quantization: bits={self.bits} is not supported; "
+                             f"allowed: {WEIGHT_BITS}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"quantization: group_size={self.group_size} is not supported; "
+                             f"allowed: {GROUP_SIZES} (-1: per channel)")
+        if self.checkpoint_format is not None and self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"quantization: checkpoint format '{self.checkpoint_format}' is "
+                             f"not supported; allowed: {', '.join(CHECKPOINT_FORMATS)}")
+
+    @property
+    def name(self) -> str:
+        """A short label: ``int4-g128``, ``int8`` (per channel), ``-asym`` for zero points."""
+        group = "" if self.group_size == -1 else f"-g{self.group_size}"
+        return f"int{self.bits}{group}{'' if self.symmetric else '-asym'}"
+
+    def quantizes(self, module_name: str) -> bool:
+        """Whether the linear called ``module_name`` (HF's name) is stored quantised."""
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.fullmatch(pattern[3:], module_name):
+                    return False
+            elif module_name == pattern or module_name.endswith("." + pattern):
+                return False
+        return True
