@@ -14,6 +14,9 @@ plus the KV at the mean decode context, per decode step).
   which captures CUDA graphs; its default sampling, temperature 0.8, top-k
   200) on W1 at batch 1. gpt-fast's files must be in ``.peers/gpt-fast/``
   (git-ignored: never commit them).
+- ``gptfast-int8``: the same with gpt-fast's own int8 weight-only
+  quantisation (``WeightOnlyInt8QuantHandler``: every linear, the output head
+  included, per-channel scales); its MBU counts int8 linears and their scales.
 - ``hf-static``: transformers ``generate`` with ``cache_implementation="static"``
   (which compiles the decode step), greedy, on W1 at batch 1.
 - ``hf-batch``: transformers' continuous batching (the manager behind
@@ -53,6 +56,7 @@ from kvserve.bench.report import environment, print_table, write_json
 from kvserve.bench.workloads import w1, w2
 from kvserve.config import ModelConfig
 from kvserve.models.presets import get_preset
+from kvserve.quant.config import QuantConfig
 
 MODEL = "llama-3-8b"  # kvserve's preset and gpt-fast's config of the same name
 DEVICE = "cuda"
@@ -120,8 +124,9 @@ def _w1_prompt(run: PeerRun) -> list[int]:
     return request.prompt_token_ids
 
 
-def gptfast(run: PeerRun) -> dict[str, Any]:
-    """gpt-fast's ``generate`` with its compiled decode step, W1 batch 1."""
+def gptfast(run: PeerRun, int8: bool = False) -> dict[str, Any]:
+    """gpt-fast's ``generate`` with its compiled decode step, W1 batch 1
+    (``int8``: its weight-only int8 linears)."""
     missing = [name for name in GPT_FAST_FILES if not (GPT_FAST_DIR / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{GPT_FAST_DIR} lacks {', '.join(missing)}: copy them from "
@@ -132,6 +137,14 @@ def gptfast(run: PeerRun) -> dict[str, Any]:
 
     with _on_gpu_in_bf16():
         model = Transformer.from_name(MODEL).eval()
+    if int8:
+        from quantize import WeightOnlyInt8QuantHandler  # gpt-fast's quantize.py
+
+        handler = WeightOnlyInt8QuantHandler(model)
+        state = handler.create_quantized_state_dict()
+        model = handler.convert_for_runtime()
+        model.load_state_dict(state, assign=True)
+        model = model.to(DEVICE).eval()
     gpt_fast.decode_one_token = torch.compile(gpt_fast.decode_one_token, mode="reduce-overhead",
                                               fullgraph=True)
     prompt = torch.tensor(_w1_prompt(run), dtype=torch.int, device=DEVICE)
@@ -146,6 +159,10 @@ def gptfast(run: PeerRun) -> dict[str, Any]:
         positions = torch.arange(0, prompt.numel(), device=DEVICE)
         return gpt_fast.prefill(model, prompt.view(1, -1), positions, **sampling)
 
+    if int8:  # its MBU counts what it reads: int8 linears (LM head too), bf16 scales
+        quant = QuantConfig(bits=8, group_size=-1, ignore=())
+        config = dataclasses.replace(run.config, quantization=quant)
+        run = dataclasses.replace(run, figures=ModelFigures.of(config, element_bytes=2))
     return time_w1(generate, prefill, run)
 
 
@@ -221,7 +238,8 @@ def hf_batch(run: PeerRun) -> dict[str, Any]:
 
 
 PEERS: dict[str, Callable[[PeerRun], dict[str, Any]]] = {
-    "gptfast": gptfast, "hf-static": hf_static, "hf-batch": hf_batch,
+    "gptfast": gptfast, "gptfast-int8": lambda run: gptfast(run, int8=True),
+    "hf-static": hf_static, "hf-batch": hf_batch,
 }
 
 

@@ -42,12 +42,18 @@ class ModelFigures:
 
     @classmethod
     def of(cls, model: ModelConfig, element_bytes: int) -> ModelFigures:
-        """The planner counts 16-bit weights and KV; scale them to ``element_bytes``."""
+        """The planner counts 16-bit weights and KV; scale them to ``element_bytes``
+        (weight-only quantised linears: to their packed bytes)."""
         inputs = PlanInputs()  # bf16 weights and KV on one GPU
         scale = element_bytes / KV_DTYPE_BYTES[inputs.kv_dtype]
         params = count_params(model)
-        return cls(params=params.total,
-                   weight_read_bytes=weight_read_bytes(params, inputs) * scale,
+        read_bytes = weight_read_bytes(params, inputs) * scale
+        quant = model.quantization
+        if quant is not None:  # packed values plus their scales and zero points
+            quantized = quant.num_quantized(params.linear, params.lm_head)
+            read_bytes -= quantized * (
+                element_bytes - quant.bytes_per_weight(model.hidden_size, element_bytes))
+        return cls(params=params.total, weight_read_bytes=read_bytes,
                    kv_bytes_per_token=kv_bytes_per_token(model, inputs) * scale)
 
     def decode_step_bytes(self, batch_size: int, mean_context: float) -> float:

@@ -5,17 +5,23 @@ output dim, ``RowLinear`` the input dim, once TP exists), plus the packed
 ``QKVLinear`` and ``MergedColumnLinear`` that load Hugging Face's separate
 ``q_proj/k_proj/v_proj`` and ``gate_proj/up_proj`` tensors into one matmul.
 
+How a linear stores and multiplies its weight is its ``quant_method``
+(``quant/methods.py``): a 16-bit ``weight``, or a weight-only quantised one
+(``qweight``, ``scales``, ...). Every parameter a method creates has the
+output dim first, so a packed linear stacks its shards by rows whatever
+the method.
+
 Every layer has ``weight_loader(param, loaded, shard_id)`` for its parameters;
 the model's ``load_weights`` routes checkpoint tensors through it (found via
 ``get_weight_loader``). With TP a loader will also narrow ``loaded`` to its
-rank's slice; nothing else needs to change.
-Quantized weights and TP communication are not handled here.
+rank's slice; nothing else needs to change. TP communication is not handled here.
 
-With ``use_triton`` (see ``layers/custom_ops.py``) a one-row forward in 16
-bits, a batch-1 decode step's, runs the skinny GEMM of
-``kernels/skinny_gemm.py`` (imported only then), the down projection with
-the SiLU gate fused in (``forward_gated``); every other input, and every
-input without the flag, runs ``F.linear``, the oracle.
+With ``use_triton`` (see ``layers/custom_ops.py``) the method runs Triton
+kernels where they apply: a one-row 16-bit forward, a batch-1 decode step's,
+runs the skinny GEMM of ``kernels/skinny_gemm.py``, the down projection
+with the SiLU gate fused in (``forward_gated``); quantised weights run
+``kernels/quant_matmul.py``. Without the flag every input runs the torch
+reference (``F.linear``, or a dequantised float32 matmul), the oracle.
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.layers.activation import SiluAndMul
+from kvserve.quant.methods import UNQUANTIZED, LinearMethod
+from kvserve.quant.methods import linear_method as linear_method
 
 ShardId = str | int | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
@@ -64,36 +71,39 @@ def default_weight_loader(
     _copy_checked(param.data, loaded)
 
 
-def apply_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_triton: bool
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; with ``use_triton``, the skinny Triton GEMM
-    where it applies (see ``skinny_supported``: one row, bfloat16 or float16)."""
-    if use_triton:
-        from kvserve.kernels.skinny_gemm import skinny_matmul, skinny_supported
-
-        if skinny_supported(x, weight):
-            return skinny_matmul(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 def _new_param(*shape: int) -> nn.Parameter:
     # dtype and device come from the caller's defaults (the loader sets them)
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` of shape ``[output_size, input_size]``."""
+    """``y = x @ W.T + b`` with ``W`` of shape ``[output_size, input_size]``,
+    stored as its ``quant_method`` says (16-bit unless given one)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False,
+        quant_method: LinearMethod = UNQUANTIZED,
+    ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
         self.use_triton = False
-        self.weight = _new_param(output_size, input_size)  # [output_size, input_size]
+        self.quant_method = quant_method
+        quant_method.create_weights(self)
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = _new_param(output_size)  # [output_size]
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The model dtype the layer computes in (its scales' if quantised)."""
+        name = "scales" if self.quant_method.quantized else "weight"
+        param: torch.Tensor = getattr(self, name)
+        return param.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None
@@ -101,21 +111,24 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_linear(x, self.weight, self.bias, self.use_triton)
+        return self.quant_method.apply(self, x, self.bias)
 
     def forward_gated(self, gate_up: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
-        """``self(act_fn(gate_up))``. With ``use_triton`` and a SiLU gate, a
-        one-row input runs the skinny GEMM with the activation computed as it
-        loads ``gate_up``: one kernel instead of two, the same rounding."""
-        if self.use_triton and isinstance(act_fn, SiluAndMul):
-            from kvserve.kernels.skinny_gemm import skinny_matmul, skinny_supported
-
-            if skinny_supported(gate_up, self.weight):
-                return skinny_matmul(gate_up, self.weight, self.bias, gated=True)
+        """``self(act_fn(gate_up))``. With ``use_triton`` and a SiLU gate, the
+        method may compute the activation as it loads ``gate_up`` (a one-row
+        16-bit input, a quantised one): one kernel instead of two, the same
+        rounding."""
+        if isinstance(act_fn, SiluAndMul):
+            out = self.quant_method.apply_gated(self, gate_up, self.bias)
+            if out is not None:
+                return out
         return self(act_fn(gate_up))
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+        method = getattr(self.quant_method, "config", None)
+        quant = f", quant={method.name}" if method is not None else ""
+        return (f"in={self.input_size}, out={self.output_size}, "
+                f"bias={self.bias is not None}{quant}")
 
 
 class ColumnLinear(Linear):
@@ -130,9 +143,11 @@ class _PackedColumnLinear(ColumnLinear):
     """Several column linears stacked along the output dim, loaded shard by shard."""
 
     def __init__(
-        self, input_size: int, shard_sizes: dict[str | int, int], bias: bool = False
+        self, input_size: int, shard_sizes: dict[str | int, int], bias: bool = False,
+        quant_method: LinearMethod = UNQUANTIZED,
     ) -> None:
-        super().__init__(input_size, sum(shard_sizes.values()), bias)
+        super().__init__(input_size, sum(shard_sizes.values()), bias, quant_method)
+        self._perm_loaded = False
         self.shard_offsets: dict[str | int, tuple[int, int]] = {}
         offset = 0
         for shard_id, size in shard_sizes.items():
@@ -150,8 +165,19 @@ class _PackedColumnLinear(ColumnLinear):
             raise ValueError(
                 f"unknown shard '{shard_id}'; expected one of {list(self.shard_offsets)}"
             )
+        if param is getattr(self, "perm", None):
+            # act-order: the shards share their input, so one permutation of it
+            if self._perm_loaded and not torch.equal(param.data, loaded.to(param.device)):
+                raise ValueError(
+                    f"shard '{shard_id}' has another act-order permutation (g_idx) than the "
+                    "shards loaded before it; a packed linear needs one input order"
+                )
+            _copy_checked(param.data, loaded)
+            self._perm_loaded = True
+            return
         offset, size = self.shard_offsets[shard_id]
-        # weight: [size, input_size] rows of the packed matrix; bias: [size]
+        # rows of the packed matrix: weight [size, input_size]; qweight, scales,
+        # zeros [size, ...]; bias [size]
         _copy_checked(param.data.narrow(0, offset, size), loaded)
 
 
@@ -163,7 +189,7 @@ class QKVLinear(_PackedColumnLinear):
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-        bias: bool = False,
+        bias: bool = False, quant_method: LinearMethod = UNQUANTIZED,
     ) -> None:
         self.head_dim = head_dim
         self.num_heads = num_heads
@@ -171,7 +197,7 @@ class QKVLinear(_PackedColumnLinear):
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         sizes: dict[str | int, int] = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
-        super().__init__(hidden_size, sizes, bias)
+        super().__init__(hidden_size, sizes, bias, quant_method)
 
 
 class MergedColumnLinear(_PackedColumnLinear):
@@ -180,7 +206,10 @@ class MergedColumnLinear(_PackedColumnLinear):
     Used for ``gate_up_proj`` (shard 0 = gate, shard 1 = up).
     """
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
+    def __init__(
+        self, input_size: int, output_sizes: Sequence[int], bias: bool = False,
+        quant_method: LinearMethod = UNQUANTIZED,
+    ) -> None:
         self.output_sizes = list(output_sizes)
         sizes: dict[str | int, int] = dict(enumerate(output_sizes))
-        super().__init__(input_size, sizes, bias)
+        super().__init__(input_size, sizes, bias, quant_method)

@@ -52,7 +52,7 @@ class LoRALinear(nn.Module):
         self.base = base
         self.slices = list(slices)
         self.batch = batch
-        dtype, device = base.weight.dtype, base.weight.device
+        dtype, device = base.params_dtype, base.device
         self.lora_a: torch.Tensor  # [num_slices, max_loras, max_rank, input_size]
         self.register_buffer("lora_a", torch.zeros(
             len(self.slices), max_loras, max_rank, base.input_size, dtype=dtype, device=device,

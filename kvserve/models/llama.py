@@ -30,6 +30,7 @@ from kvserve.layers.linear import (
     RowLinear,
     ShardId,
     get_weight_loader,
+    linear_method,
 )
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
@@ -39,13 +40,18 @@ from kvserve.models.registry import CausalLM
 class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up in one matmul."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, prefix: str) -> None:
         super().__init__()
         bias = bool(config.hf_config.get("mlp_bias", False))
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size], bias=bias)
+        quant = config.quantization
+        self.gate_up_proj = MergedColumnLinear(
+            config.hidden_size, [size, size], bias=bias,
+            quant_method=linear_method(quant, [f"{prefix}.gate_proj", f"{prefix}.up_proj"]),
+        )
         self.act_fn = get_act_and_mul(str(config.hf_config.get("hidden_act", "silu")))
-        self.down_proj = RowLinear(size, config.hidden_size, bias=bias)
+        self.down_proj = RowLinear(size, config.hidden_size, bias=bias,
+                                   quant_method=linear_method(quant, [f"{prefix}.down_proj"]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
@@ -62,13 +68,16 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
+        prefix, quant = f"model.layers.{layer_idx}.self_attn", config.quantization
         self.qkv_proj = QKVLinear(
             config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
             bias=config.qkv_bias,
+            quant_method=linear_method(quant, [f"{prefix}.{p}_proj" for p in "qkv"]),
         )
         self.o_proj = RowLinear(
             self.num_heads * self.head_dim, config.hidden_size,
             bias=bool(config.hf_config.get("attention_bias", False)),
+            quant_method=linear_method(quant, [f"{prefix}.o_proj"]),
         )
         self.rotary_emb = rotary_emb
         self.attn = Attention(
@@ -103,7 +112,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, layer_idx, rotary_emb)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, f"model.layers.{layer_idx}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -171,7 +180,8 @@ class LlamaForCausalLM(CausalLM):
             )
         self.model = LlamaModel(config, self.attention_cls)
         tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to,
+                              quant_method=linear_method(config.quantization, ["lm_head"]))
 
     def forward(
         self,
@@ -196,6 +206,16 @@ class LlamaForCausalLM(CausalLM):
                 parts = tuple(name.replace(f".{packed}.", f".{hf}.") for hf, _ in shards)
                 return name, None, parts
         return name, None, (name,)
+
+    def linear_module_names(self) -> set[str]:
+        """The HF module names of every linear (the parts of a packed one
+        each), for the loader's quantised-checkpoint stream."""
+        names: set[str] = set()
+        for name, module in self.named_modules():
+            if isinstance(module, Linear | LMHead):
+                names.update(hf.rpartition(".")[0]
+                             for hf in self._expected_names(f"{name}.weight"))
+        return names
 
     def _expected_names(self, param_name: str) -> list[str]:
         """The HF tensor names that must be loaded to fill ``param_name``."""

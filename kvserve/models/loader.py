@@ -2,7 +2,10 @@
 
 Owns choosing the dtype, building the model on its device in its dtype, and
 filling it either with seeded random weights (``load_format="dummy"``) or by streaming tensors from
-``model.safetensors`` / the shards of ``model.safetensors.index.json``.
+``model.safetensors`` / the shards of ``model.safetensors.index.json``; then
+each linear's method finishes its weights (``process_weights_after_loading``).
+A quantised model's linears hold kvserve's packed layout from the start, so
+a 16-bit copy of its weights is never built on the device.
 It never downloads: a model is a preset name or a local directory.
 """
 
@@ -20,6 +23,7 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.layers.norm import RMSNorm
 from kvserve.models.registry import CausalLM, get_model_class
+from kvserve.quant.methods import LinearMethod
 
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_STD = 0.02
@@ -86,22 +90,41 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         model.load_weights(iter_safetensors(files))
+    for module in model.modules():
+        method: LinearMethod | None = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     model.eval()
     return model
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Seeded small random weights (normal, std ``DUMMY_STD``); norm scales set to 1."""
-    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    generator: torch.Generator | None = None
+    """Seeded small random weights (normal, std ``DUMMY_STD``); norm scales set
+    to 1; a quantised linear draws its weight and rounds it (its method's
+    ``init_dummy``)."""
+    seen: set[int] = set()
+    generators: dict[torch.device, torch.Generator] = {}
+
+    def generator_on(device: torch.device) -> torch.Generator:
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        return generators[device]
+
     with torch.no_grad():
-        for param in model.parameters():
-            if id(param) in norm_weights:
-                param.fill_(1.0)
-                continue
-            if generator is None or generator.device != param.device:
-                generator = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, DUMMY_STD, generator=generator)
+        for module in model.modules():
+            method: LinearMethod | None = getattr(module, "quant_method", None)
+            if method is not None and method.quantized:
+                params = [getattr(module, name) for name in method.weight_names]
+                seen.update(id(p) for p in params if p is not None)
+                method.init_dummy(module, generator_on(params[0].device), DUMMY_STD)
+            for param in module.parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                if isinstance(module, RMSNorm):
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, DUMMY_STD, generator=generator_on(param.device))
 
 
 def _checkpoint_files(path: Path) -> list[Path]:

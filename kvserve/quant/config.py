@@ -51,6 +51,17 @@ class QuantConfig:
         group = "" if self.group_size == -1 else f"-g{self.group_size}"
         return f"int{self.bits}{group}{'' if self.symmetric else '-asym'}"
 
+    def bytes_per_weight(self, input_size: int, scale_bytes: int) -> float:
+        """Bytes a weight takes in memory: its packed value plus its share of
+        the group's scale (and zero point); ``input_size`` is the group of a
+        per-channel config."""
+        group = input_size if self.group_size == -1 else self.group_size
+        return self.bits / 8 + scale_bytes * (1 if self.symmetric else 2) / group
+
+    def num_quantized(self, num_linear: int, num_lm_head: int) -> int:
+        """Of a model's decoder-layer linear and LM-head weights, how many are quantised."""
+        return num_linear + (num_lm_head if self.quantizes("lm_head") else 0)
+
     def quantizes(self, module_name: str) -> bool:
         """Whether the linear called ``module_name`` (HF's name) is stored quantised."""
         for pattern in self.ignore:

@@ -39,12 +39,19 @@ def check_weights_fit(
     from kvserve.plan.planner import count_params
 
     element_bytes = torch.empty((), dtype=dtype).element_size()
-    weights = count_params(model_config).total * element_bytes
+    params = count_params(model_config)
+    weights = float(params.total * element_bytes)
+    quant = model_config.quantization
+    if quant is not None:
+        quantized = quant.num_quantized(params.linear, params.lm_head)
+        weights -= quantized * (
+            element_bytes - quant.bytes_per_weight(model_config.hidden_size, element_bytes))
     free_bytes, total_bytes = torch.cuda.mem_get_info(device)
     budget = int(total_bytes * utilization) - (total_bytes - free_bytes)
     if weights > budget:
         raise ValueError(
-            f"the model's weights need {weights / 1e9:.2f} GB in {dtype} but "
+            f"the model's weights need {weights / 1e9:.2f} GB in {dtype}"
+            f"{'' if quant is None else ' with ' + quant.name + ' linears'} but "
             f"gpu_memory_utilization={utilization} of this {total_bytes / 1e9:.1f} GB device "
             f"leaves {budget / 1e9:.2f} GB ({(total_bytes - free_bytes) / 1e9:.2f} GB already "
             "in use); use a larger device, a smaller model or a higher gpu_memory_utilization"

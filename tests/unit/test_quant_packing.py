@@ -81,3 +81,28 @@ def test_quant_config_names_and_ignores() -> None:
     assert config.quantizes("model.layers.1.mlp.down_proj")
     with pytest.raises(ValueError, match="group_size=96"):
         QuantConfig(bits=4, group_size=96)
+
+
+def test_bytes_per_weight_counts_scales_and_zeros() -> None:
+    assert QuantConfig(bits=4, group_size=128).bytes_per_weight(4096, 2) == 0.5 + 2 / 128
+    asym = QuantConfig(bits=4, group_size=32, symmetric=False)
+    assert asym.bytes_per_weight(4096, 2) == 0.5 + 4 / 32
+    assert QuantConfig(bits=8, group_size=-1).bytes_per_weight(4096, 2) == 1 + 2 / 4096
+    assert QuantConfig(bits=8, group_size=-1).num_quantized(100, 10) == 100
+    assert QuantConfig(bits=8, group_size=-1, ignore=()).num_quantized(100, 10) == 110
+
+
+def test_decode_bytes_of_a_quantised_preset() -> None:
+    import dataclasses
+
+    from kvserve.bench.offline import ModelFigures
+    from kvserve.config import ModelConfig
+    from kvserve.models.presets import get_preset
+
+    config = ModelConfig.from_hf_config(get_preset("llama-3-8b"))
+    bf16 = ModelFigures.of(config, 2).weight_read_bytes
+    int4 = ModelFigures.of(dataclasses.replace(
+        config, quantization=QuantConfig(bits=4, group_size=128)), 2).weight_read_bytes
+    lm_head = config.vocab_size * config.hidden_size * 2
+    # the 16-bit LM head stays; the decoder's linears shrink 16 / (4 + 16 / 128) times
+    assert (int4 - lm_head) == pytest.approx((bf16 - lm_head) * (0.5 + 2 / 128) / 2, rel=1e-3)

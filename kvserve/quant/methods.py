@@ -1,0 +1,218 @@
+"""Linear methods: how a linear layer stores its weight and multiplies by it.
+
+Every linear of ``layers/`` (``Linear`` and its packed subclasses, and
+``LMHead``) owns one method, chosen when the model is built
+(``linear_method``, from ``ModelConfig.quantization`` and the layer's HF
+module names); the layer keeps its sizes, bias and ``use_triton`` flag and
+delegates the rest:
+
+- ``create_weights`` registers the parameters, every one with the output
+  dimension first, so a packed ``qkv_proj`` / ``gate_up_proj`` stacks its
+  shards by rows whatever the method;
+- ``init_dummy`` fills them with seeded random weights (``load_format="dummy"``);
+- ``process_weights_after_loading`` checks and finishes them once loaded;
+- ``apply`` / ``apply_gated`` run the matmul.
+
+``UnquantizedLinearMethod`` holds a 16-bit ``weight [N, K]`` (``F.linear``,
+or the skinny Triton GEMM for one row). ``WeightOnlyLinearMethod`` holds
+kvserve's packed layout (``quant/packing.py``: ``qweight``, ``scales``,
+``zeros`` unless symmetric, ``perm`` with act-order) and runs the Triton
+kernels of ``kernels/quant_matmul.py`` under ``use_triton`` on CUDA, else
+the torch reference (dequantise, one float32 matmul). Loading checkpoints
+of other layouts is not done here: ``quant/formats`` converts them first.
+A method's parameters are set on the layer by name, so ``layer`` is typed
+``Any`` here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.quant.config import QuantConfig
+from kvserve.quant.packing import QuantizedWeight, quantize_rtn, quantized_linear_reference
+
+# rows of random weight drawn at a time by a quantised layer's init_dummy
+_DUMMY_CHUNK_ELEMENTS = 1 << 26
+
+
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    # dtype (unless given) and device come from the caller's defaults (the loader sets them)
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class LinearMethod:
+    """How a linear stores and applies its weight (see the module docstring)."""
+
+    quantized = False
+    # parameters the method registers, each [output_size, ...] except "perm"
+    weight_names: tuple[str, ...] = ()
+
+    def create_weights(self, layer: Any) -> None:
+        raise NotImplementedError
+
+    def init_dummy(self, layer: Any, generator: torch.Generator, std: float) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        """Called once after every weight is loaded; nothing to do by default."""
+
+    def apply(
+        self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply_gated(
+        self, layer: Any, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``apply`` of ``silu(gate) * up`` fused into one kernel, or None where
+        this method has no fused path for ``gate_up`` (the caller then runs
+        the activation first)."""
+        return None
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """A 16-bit ``weight [output_size, input_size]`` in the model's dtype."""
+
+    weight_names = ("weight",)
+
+    def create_weights(self, layer: Any) -> None:
+        layer.weight = _param(layer.output_size, layer.input_size)
+
+    def init_dummy(self, layer: Any, generator: torch.Generator, std: float) -> None:
+        layer.weight.normal_(0.0, std, generator=generator)
+
+    def apply(
+        self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``F.linear``; with ``use_triton`` the skinny Triton GEMM where it
+        applies (see ``skinny_supported``: one row, bfloat16 or float16)."""
+        if layer.use_triton:
+            from kvserve.kernels.skinny_gemm import skinny_matmul, skinny_supported
+
+            if skinny_supported(x, layer.weight):
+                return skinny_matmul(x, layer.weight, bias)
+        return F.linear(x, layer.weight, bias)
+
+    def apply_gated(
+        self, layer: Any, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        if layer.use_triton:
+            from kvserve.kernels.skinny_gemm import skinny_matmul, skinny_supported
+
+            if skinny_supported(gate_up, layer.weight):
+                return skinny_matmul(gate_up, layer.weight, bias, gated=True)
+        return None
+
+
+class WeightOnlyLinearMethod(LinearMethod):
+    """INT8 / INT4 weights in kvserve's packed layout, 16-bit activations."""
+
+    quantized = True
+
+    def __init__(self, config: QuantConfig) -> None:
+        self.config = config
+        self.bits = config.bits
+        self.symmetric = config.symmetric
+        self.act_order = config.act_order
+        names = ["qweight", "scales"]
+        names += [] if config.symmetric else ["zeros"]
+        names += ["perm"] if config.act_order else []
+        self.weight_names = tuple(names)
+
+    def group_size(self, layer: Any) -> int:
+        """The layer's group size, ``input_size`` for one group per output row."""
+        return layer.input_size if self.config.group_size == -1 else self.config.group_size
+
+    def create_weights(self, layer: Any) -> None:
+        n, k = layer.output_size, layer.input_size
+        group_size = self.group_size(layer)
+        if k % group_size or (self.bits == 4 and k % 2):
+            raise ValueError(
+                f"quantization: {self.config.name} needs the input size of every quantised "
+                f"linear to be a multiple of the group size {group_size}"
+                f"{' and even' if self.bits == 4 else ''}; a linear has {k}"
+            )
+        layer.qweight = _param(n, k * self.bits // 8, dtype=torch.uint8)
+        layer.scales = _param(n, k // group_size)
+        layer.zeros = None if self.symmetric else _param(n, k // group_size)
+        layer.perm = _param(k, dtype=torch.int64) if self.act_order else None
+
+    def quantized_weight(self, layer: Any) -> QuantizedWeight:
+        return QuantizedWeight(layer.qweight, layer.scales, layer.zeros, self.bits,
+                               self.group_size(layer), layer.perm)
+
+    def init_dummy(self, layer: Any, generator: torch.Generator, std: float) -> None:
+        """Random normal weights rounded to nearest, drawn a chunk of rows at a
+        time (so a 70B model never holds a 16-bit layer); ``perm`` the identity."""
+        n, k = layer.output_size, layer.input_size
+        rows = max(1, _DUMMY_CHUNK_ELEMENTS // k)
+        device = layer.qweight.device
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            weight = torch.randn(stop - start, k, generator=generator, device=device) * std
+            qw = quantize_rtn(weight, self.bits, self.group_size(layer), self.symmetric,
+                              scale_dtype=layer.scales.dtype)
+            layer.qweight[start:stop].copy_(qw.qweight)
+            layer.scales[start:stop].copy_(qw.scales)
+            if layer.zeros is not None and qw.zeros is not None:
+                layer.zeros[start:stop].copy_(qw.zeros)
+        if layer.perm is not None:
+            torch.arange(k, out=layer.perm.data)
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        """Validate the loaded layout; an identity ``perm`` is dropped (no gather)."""
+        qw = self.quantized_weight(layer)
+        if qw.perm is not None:
+            identity = torch.arange(layer.input_size, device=qw.perm.device)
+            if torch.equal(qw.perm, identity):
+                layer.perm = None
+            elif not torch.equal(qw.perm.sort().values, identity):
+                raise ValueError("quantization: an act-order perm is not a permutation of "
+                                 f"the {layer.input_size} input columns")
+
+    def apply(
+        self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if layer.use_triton and x.is_cuda:
+            from kvserve.kernels.quant_matmul import quant_matmul
+
+            if layer.perm is not None:
+                x = x.index_select(-1, layer.perm)
+            return quant_matmul(x, layer.qweight, layer.scales, layer.zeros, self.bits,
+                                self.group_size(layer), bias)
+        return quantized_linear_reference(x, self.quantized_weight(layer), bias)
+
+    def apply_gated(
+        self, layer: Any, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        if not (layer.use_triton and gate_up.is_cuda and layer.perm is None):
+            return None
+        from kvserve.kernels.quant_matmul import quant_matmul
+
+        return quant_matmul(gate_up, layer.qweight, layer.scales, layer.zeros, self.bits,
+                            self.group_size(layer), bias, gated=True)
+
+
+UNQUANTIZED = UnquantizedLinearMethod()
+
+
+def linear_method(quantization: QuantConfig | None, module_names: list[str]) -> LinearMethod:
+    """The method of a linear holding the HF modules ``module_names`` (several
+    for a packed one): quantised unless the config leaves them in 16 bits; a
+    packed linear whose parts disagree is a ValueError naming them."""
+    if quantization is None:
+        return UNQUANTIZED
+    kept = [name for name in module_names if not quantization.quantizes(name)]
+    if not kept:
+        return WeightOnlyLinearMethod(quantization)
+    if len(kept) != len(module_names):
+        raise ValueError(
+            f"quantization: {', '.join(module_names)} run as one packed matmul, but the "
+            f"checkpoint leaves only {', '.join(kept)} unquantised (ignore list "
+            f"{list(quantization.ignore)}); quantise all of them or none"
+        )
+    return UNQUANTIZED
