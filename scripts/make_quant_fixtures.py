@@ -2,7 +2,7 @@
 
 CI has none of the producers, so their output is committed, with reference
 data computed by each producer's own code. One tiny Llama (hidden 128,
-intermediate 256, 2 layers, 4 heads / 2 KV heads, vocab 256, seeded random
+intermediate 256, 2 layers, 4 heads / 2 KV heads, vocab 128, seeded random
 weights) is saved with transformers, then quantised with calibration on a
 few fixed short texts:
 
@@ -24,8 +24,9 @@ autoawq-gemm-w4-g64                      AutoAWQ             GEMM, zero point, g
 Each fixture directory keeps the producer's ``config.json``,
 ``model.safetensors`` and (GPTQModel) ``quantize_config.json``, plus:
 
-- ``reference.safetensors``: ``dequantized.<module>`` (float32 ``[N, K]``) for
-  ``REFERENCE_MODULES``, dequantised by the producer's own code with its
+- ``reference.safetensors``: ``dequantized.<module>`` (float32, the first
+  ``REFERENCE_ROWS`` rows of ``[N, K]``) for ``REFERENCE_MODULES``, dequantised
+  by the producer's own code with its
   scales upcast to float32 (so the values are exact); ``logits.<i>``
   (float32 ``[T, vocab]``) of the fake-quant HF model on ``prompts[i]``: a
   float32 transformers Llama whose quantised linears hold the producer's
@@ -71,9 +72,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -81,7 +84,7 @@ from typing import Any
 
 import torch
 
-VOCAB_SIZE = 256
+VOCAB_SIZE = 128
 SEED = 0
 WEIGHT_STD = 0.15
 CALIBRATION_TEXTS = [
@@ -94,8 +97,9 @@ CALIBRATION_TEXTS = [
     "group wise scales keep the rounding error of each block of weights small",
     "greedy decoding picks the most likely token at every position",
 ]
-CALIBRATION_TOKENS = 48
+CALIBRATION_TOKENS = 64
 REFERENCE_MODULES = ("model.layers.0.self_attn.k_proj", "model.layers.1.mlp.down_proj")
+REFERENCE_ROWS = 16  # of each reference module's output rows, to keep the fixtures small
 NUM_PROMPTS = 3
 PROMPT_LENGTHS = (6, 11, 17)
 NEW_TOKENS = 8
@@ -107,20 +111,19 @@ TRANSFORMERS_FILES = ("config.json", "model.safetensors")
 
 
 def write_tokenizer(path: Path) -> None:
-    """A byte-level BPE tokenizer with ``<pad> <s> </s>`` at ids 0, 1, 2 (the
-    producers load one; the fixtures keep none)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A word-level tokenizer over the calibration texts, ``<pad> <s> </s>
+    <unk>`` at ids 0..3 (the producers load one; the fixtures keep none)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(CALIBRATION_TEXTS * 4, trainer=trainer)
+    words = sorted({w for text in CALIBRATION_TEXTS for w in re.findall(r"\w+|[^\w\s]+", text)})
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>", *words])}
+    assert len(vocab) <= VOCAB_SIZE, len(vocab)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(path / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-              "eos_token": "</s>", "pad_token": "<pad>", "model_max_length": 256}
+              "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+              "model_max_length": 256}
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -151,7 +154,10 @@ def calibration_ids(base: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
-    return [tokenizer.encode(text)[:CALIBRATION_TOKENS] for text in CALIBRATION_TEXTS]
+    texts = CALIBRATION_TEXTS
+    # sample i: the texts from the i-th on, run together and cut to CALIBRATION_TOKENS
+    return [tokenizer.encode(" ".join(texts[i:] + texts[:i]))[:CALIBRATION_TOKENS]
+            for i in range(len(texts))]
 
 
 # --- the reference data (in each producer's venv) ------------------------------
@@ -167,18 +173,16 @@ def fake_quant_model(fixture: Path, dequantized: dict[str, torch.Tensor]) -> Any
     """A float32 transformers Llama: the checkpoint's tensors, and the
     dequantised weight for every quantised linear."""
     import transformers
-    from safetensors import safe_open
+    from safetensors.torch import load_file
 
     hf_config = json.loads((fixture / "config.json").read_text())
     hf_config.pop("quantization_config", None)
     config = transformers.LlamaConfig.from_dict(hf_config)
     model = transformers.LlamaForCausalLM(config).float().eval()
     state: dict[str, torch.Tensor] = {f"{m}.weight": w.float() for m, w in dequantized.items()}
-    with safe_open(str(fixture / "model.safetensors"), "pt") as f:
-        for name in f.keys():
-            module = name.rpartition(".")[0]
-            if module not in dequantized:
-                state[name] = f.get_tensor(name).float()
+    for name, tensor in load_file(fixture / "model.safetensors").items():
+        if name.rpartition(".")[0] not in dequantized:
+            state[name] = tensor.float()
     model.load_state_dict(state, strict=True)
     return model
 
@@ -200,7 +204,7 @@ def write_reference(
     from safetensors.torch import save_file
 
     model = fake_quant_model(fixture, dequantized)
-    tensors = {f"dequantized.{m}": dequantized[m].float().contiguous()
+    tensors = {f"dequantized.{m}": dequantized[m][:REFERENCE_ROWS].float().contiguous()
                for m in REFERENCE_MODULES}
     with torch.no_grad():
         for i, prompt in enumerate(prompts()):
@@ -217,7 +221,7 @@ def write_reference(
     }
     (fixture / "reference.json").write_text(json.dumps(reference, indent=1) + "\n")
     for path in fixture.iterdir():
-        if path.name not in KEEP_FILES + ("reference.safetensors", "reference.json"):
+        if path.name not in (*KEEP_FILES, "reference.safetensors", "reference.json"):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
@@ -265,11 +269,11 @@ def run_llmcompressor(base: Path, out: Path) -> None:
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.pipelines.cache import IntermediatesCache
-    from safetensors import safe_open
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     if not torch.cuda.is_available():  # pinning needs a GPU; it only speeds up copies
-        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None  # type: ignore
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     source = base / "bfloat16"
     ids = calibration_ids(source)
     for name, (recipe, notes) in llmcompressor_recipes().items():
@@ -280,15 +284,14 @@ def run_llmcompressor(base: Path, out: Path) -> None:
         model.save_pretrained(fixture, save_compressed=True)
         qc = json.loads((fixture / "config.json").read_text())["quantization_config"]
         scheme = QuantizationScheme.model_validate(qc["config_groups"]["group_0"])
+        tensors = load_file(fixture / "model.safetensors")
         dequantized = {}
-        with safe_open(str(fixture / "model.safetensors"), "pt") as f:
-            for module in sorted({k.rpartition(".")[0] for k in f.keys()
-                                  if k.endswith(".weight_packed")}):
-                state = {k.rpartition(".")[2]: f.get_tensor(k) for k in f.keys()
-                         if k.rpartition(".")[0] == module}
-                state["weight_scale"] = state["weight_scale"].float()
-                dequantized[module] = PackedQuantizationCompressor.decompress(
-                    state, scheme)["weight"]
+        for module in sorted({k.rpartition(".")[0] for k in tensors
+                              if k.endswith(".weight_packed")}):
+            state = {k.rpartition(".")[2]: t for k, t in tensors.items()
+                     if k.rpartition(".")[0] == module}
+            state["weight_scale"] = state["weight_scale"].float()
+            dequantized[module] = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
         write_reference(fixture, dequantized, "llm-compressor",
                         ["llmcompressor", "compressed-tensors", "transformers", "torch"], notes)
 
@@ -315,7 +318,8 @@ def run_gptqmodel(base: Path, out: Path) -> None:
         model.save(str(fixture))
         del model
         # GPTQModel's own loader (v1 zero points converted as it does) and dequantisation
-        loaded = GPTQModel.load(str(fixture), device="cpu", backend=BACKEND.TORCH)
+        loaded = GPTQModel.load(str(fixture), device="cpu", backend=BACKEND.TORCH,
+                                dtype=torch.float16)  # its CPU default, bfloat16, rounds scales
         dequantized = {}
         for module, layer in loaded.model.named_modules():
             if hasattr(layer, "dequantize_weight") and hasattr(layer, "qweight"):
@@ -332,7 +336,7 @@ def run_gptqmodel(base: Path, out: Path) -> None:
 def run_autoawq(base: Path, out: Path) -> None:
     from awq import AutoAWQForCausalLM
     from awq.utils.packing_utils import dequantize_gemm
-    from safetensors import safe_open
+    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     source = base / "float16"
@@ -347,12 +351,12 @@ def run_autoawq(base: Path, out: Path) -> None:
                    calib_data=ids, max_calib_samples=len(ids),
                    max_calib_seq_len=CALIBRATION_TOKENS, n_parallel_calib_samples=None)
     model.save_quantized(str(fixture))
+    tensors = load_file(fixture / "model.safetensors")
     dequantized = {}
-    with safe_open(str(fixture / "model.safetensors"), "pt") as f:
-        for module in sorted({k.rpartition(".")[0] for k in f.keys() if k.endswith(".qweight")}):
-            dequantized[module] = dequantize_gemm(
-                f.get_tensor(f"{module}.qweight"), f.get_tensor(f"{module}.qzeros"),
-                f.get_tensor(f"{module}.scales").float(), 4, group_size).T.contiguous()
+    for module in sorted({k.rpartition(".")[0] for k in tensors if k.endswith(".qweight")}):
+        dequantized[module] = dequantize_gemm(
+            tensors[f"{module}.qweight"], tensors[f"{module}.qzeros"],
+            tensors[f"{module}.scales"].float(), 4, group_size).T.contiguous()
     write_reference(fixture, dequantized, "AutoAWQ", ["autoawq", "transformers", "torch"],
                     f"quant_config zero_point=True q_group_size={group_size} version=GEMM")
 
@@ -391,9 +395,11 @@ def main() -> None:
     elif args.step == "all":
         run_all(args.venvs, args.out.resolve())
     else:
-        args.out.mkdir(parents=True, exist_ok=True)
+        base, out = args.base.resolve(), args.out.resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        os.chdir(tempfile.mkdtemp())  # producers drop logs into the working directory
         {"llmcompressor": run_llmcompressor, "gptqmodel": run_gptqmodel,
-         "autoawq": run_autoawq}[args.step](args.base, args.out)
+         "autoawq": run_autoawq}[args.step](base, out)
 
 
 if __name__ == "__main__":

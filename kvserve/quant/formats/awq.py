@@ -54,7 +54,8 @@ def convert(parts: Parts, config: QuantConfig, module: str) -> QuantizedWeight:
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
     expect(scales, f"{module}.scales", None, FLOAT_DTYPES)
     groups, n = scales.shape
-    expect(qweight, f"{module}.qweight", None, (torch.int32,))
+    if qweight.dim() != 2:
+        expect(qweight, f"{module}.qweight", None, (torch.int32,))
     k = qweight.shape[0]
     if n % 8 or groups * config.group_size != k:
         raise ValueError(

@@ -42,7 +42,7 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 def required(config: QuantConfig) -> tuple[str, ...]:
-    parts = ("weight_packed", "weight_scale", "weight_shape")
+    parts: tuple[str, ...] = ("weight_packed", "weight_scale", "weight_shape")
     parts += () if config.symmetric else ("weight_zero_point",)
     return parts + (("weight_g_idx",) if config.act_order else ())
 
@@ -67,7 +67,8 @@ def _shape(tensor: torch.Tensor, module: str) -> tuple[int, int]:
 
 
 def convert(parts: Parts, config: QuantConfig, module: str) -> QuantizedWeight:
-    """One linear's compressed-tensors tensors -> ``QuantizedWeight`` (shapes and dtypes checked)."""
+    """One linear's compressed-tensors tensors -> ``QuantizedWeight`` (shapes,
+    dtypes checked)."""
     bits, per_word = config.bits, 32 // config.bits
     n, k = _shape(parts["weight_shape"], module)
     group_size = effective_group_size(config, k)

@@ -39,7 +39,7 @@ PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def required(config: QuantConfig) -> tuple[str, ...]:
-    parts = ("qweight", "scales")
+    parts: tuple[str, ...] = ("qweight", "scales")
     parts += () if config.symmetric else ("qzeros",)
     return parts + (("g_idx",) if config.act_order else ())
 
@@ -62,9 +62,10 @@ def check_alone(part: str, tensor: torch.Tensor, config: QuantConfig, name: str)
     midpoint = 2 ** (config.bits - 1)
     if not bool((zeros == midpoint).all()):
         stored = "zero - 1" if config.checkpoint_format == "gptq" else "zero"
+        found = sorted(set(zeros.flatten().tolist()))[:8]
         raise ValueError(
             f"checkpoint tensor '{name}': quantization_config says sym=true, so every zero "
-            f"point must be {midpoint} (stored as {stored}); found {sorted(set(zeros.flatten().tolist()))[:8]}"
+            f"point must be {midpoint} (stored as {stored}); found {found}"
         )
 
 
@@ -74,7 +75,8 @@ def convert(parts: Parts, config: QuantConfig, module: str) -> QuantizedWeight:
     qweight, scales = parts["qweight"], parts["scales"]
     expect(scales, f"{module}.scales", None, FLOAT_DTYPES)
     groups, n = scales.shape
-    expect(qweight, f"{module}.qweight", None, (torch.int32,))
+    if qweight.dim() != 2:
+        expect(qweight, f"{module}.qweight", None, (torch.int32,))
     k = qweight.shape[0] * per_word
     group_size = effective_group_size(config, k)
     expect(qweight, f"{module}.qweight", (k // per_word, n), (torch.int32,))

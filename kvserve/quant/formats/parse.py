@@ -239,7 +239,8 @@ def parse_awq(qc: dict[str, Any]) -> QuantConfig:
     group_field = "group_size" if "group_size" in qc else "q_group_size"
     group_size = _choice(qc, group_field, AWQ_GROUP_SIZES, 128)
     if not _flag(qc, "zero_point", True):
-        raise _bad("zero_point", False, "true (AutoAWQ's GEMM checkpoints always carry zero points)")
+        raise _bad("zero_point", False,
+                   "true (AutoAWQ's GEMM checkpoints always carry zero points)")
     skipped = qc.get("modules_to_not_convert") or []
     if not isinstance(skipped, list) or not all(isinstance(n, str) for n in skipped):
         raise _bad("modules_to_not_convert", skipped, "null or a list of module names")
@@ -318,9 +319,7 @@ def _ct_scheme(scheme: dict[str, Any], path: str) -> QuantConfig:
     if strategy == "channel":
         group_size = -1
     elif strategy == "group":
-        group_size = weights.get("group_size")
-        if group_size not in GROUP_SIZES or group_size == -1:
-            raise _bad(f"{w}.group_size", group_size, ", ".join(map(str, GROUP_SIZES[:-1])))
+        group_size = _choice(weights, "group_size", GROUP_SIZES[:-1], None, w)
     else:
         raise _bad(f"{w}.strategy", strategy, "group, channel")
     symmetric = weights.get("symmetric", True)
