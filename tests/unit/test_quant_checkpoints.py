@@ -8,9 +8,9 @@ way the loader reads a checkpoint (its config resolved with
 into the model's quantised layers) and run in float32 on the torch
 reference path. The oracle stored with each fixture is a float32
 transformers Llama holding the producer's own dequantised weights: our
-logits must match it to ``RTOL`` (relative L2, float32 rounding of two
-different summation orders) and our greedy continuation must be its
-``NEW_TOKENS`` tokens exactly.
+logits must match it to ``RTOL`` (relative L2; the dequantised weights are
+equal, so only float32 summation order differs: 0.7e-6 to 1.5e-6 measured)
+and our greedy continuation must be its stored tokens exactly.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tests.unit.test_models import PagedRunner, rel_err
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "quant"
 FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.json").is_file())
-RTOL = 1e-4
+RTOL = 1e-5
 
 
 @contextmanager
