@@ -15,6 +15,8 @@ llmc-gptq-w4a16-asym-g32-actorder        llm-compressor      GPTQ int4 asym g32,
                                                              refuse "group": no g_idx)
 llmc-awq-w4a16-asym-g128                 llm-compressor      AWQModifier + W4A16_ASYM
 llmc-gptq-w8a16-channel                  llm-compressor      GPTQ int8 symmetric, channel
+llmc06-gptq-w4a16-g32-actorder-group     llm-compressor 0.6  GPTQ int4 symmetric g32,
+                                                             actorder "group": weight_g_idx
 gptqmodel-w4-g32-desc-act-asym           GPTQModel           gptq (v1), desc_act, sym=False
 gptqmodel-w4-g32-sym                     GPTQModel           gptq (v1), sym, no desc_act
 gptqmodel-w4-g32-asym-v2                 GPTQModel           gptq_v2, sym=False
@@ -42,6 +44,13 @@ Producers and their venvs (CPU torch 2.13.0 in each; never the system python):
   torch==2.13.0 llmcompressor==0.14.0.1``. Its AWQ step pins calibration
   tensors to page-locked memory, which needs a GPU; on the CPU that pinning
   (a transfer-speed hint only) is turned off here.
+- llm-compressor 0.6.0 (compressed-tensors 0.10.2, transformers 4.52.4), the
+  last kind of release that wrote ``actorder: group`` with ``weight_g_idx``, as
+  many hub checkpoints have it: ``python -m venv /work/venvs/llmc06 &&
+  /work/venvs/llmc06/bin/pip install torch==2.13.0 && /work/venvs/llmc06/bin/pip
+  install llmcompressor==0.6.0 transformers==4.52.4 torch==2.13.0``. Its own
+  decompressor cannot unpack asymmetric zero points, so this fixture is
+  symmetric.
 - GPTQModel 7.6.0 (transformers 5.24; 7.7.0 needs torch >= 2.14.1):
   ``python -m venv /work/venvs/gptqmodel && /work/venvs/gptqmodel/bin/pip install
   torch==2.13.0 setuptools wheel packaging ninja && /work/venvs/gptqmodel/bin/pip
@@ -55,9 +64,11 @@ Producers and their venvs (CPU torch 2.13.0 in each; never the system python):
 
 Usage (from the repository root)::
 
-    python scripts/make_quant_fixtures.py all            # the four steps below
+    python scripts/make_quant_fixtures.py all            # the five steps below
     python scripts/make_quant_fixtures.py base /tmp/quant-base
     /work/venvs/llmc/bin/python scripts/make_quant_fixtures.py llmcompressor \
+        /tmp/quant-base tests/fixtures/quant
+    /work/venvs/llmc06/bin/python scripts/make_quant_fixtures.py llmcompressor-0.6 \
         /tmp/quant-base tests/fixtures/quant
     GPTQMODEL_CPU_WORKERS=2 /work/venvs/gptqmodel/bin/python \
         scripts/make_quant_fixtures.py gptqmodel /tmp/quant-base tests/fixtures/quant
@@ -296,6 +307,46 @@ def run_llmcompressor(base: Path, out: Path) -> None:
                         ["llmcompressor", "compressed-tensors", "transformers", "torch"], notes)
 
 
+def run_llmcompressor_06(base: Path, out: Path) -> None:
+    """llm-compressor 0.6: GPTQ with ``actorder: group`` (``weight_g_idx``)."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    source = base / "bfloat16"
+    ids = calibration_ids(source)
+    fixture = fresh(out / "llmc06-gptq-w4a16-g32-actorder-group")
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=32,
+        actorder="group"))
+    model = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.bfloat16)
+    oneshot(model=model, dataset=Dataset.from_dict({"input_ids": ids}),
+            recipe=GPTQModifier(ignore=["lm_head"], config_groups={"group_0": scheme}),
+            max_seq_length=CALIBRATION_TOKENS, num_calibration_samples=len(ids))
+    model.save_pretrained(fixture, save_compressed=True)
+    qc = json.loads((fixture / "config.json").read_text())["quantization_config"]
+    compressor = PackedQuantizationCompressor(QuantizationConfig.model_validate(qc))
+    args = QuantizationScheme.model_validate(qc["config_groups"]["group_0"]).weights
+    tensors = load_file(fixture / "model.safetensors")
+    dequantized = {}
+    for module in sorted({k.rpartition(".")[0] for k in tensors if k.endswith(".weight_packed")}):
+        state = {k.rpartition(".")[2]: t for k, t in tensors.items()
+                 if k.rpartition(".")[0] == module}
+        state["weight_scale"] = state["weight_scale"].float()
+        dequantized[module] = compressor.decompress_weight(state, args)
+    write_reference(fixture, dequantized, "llm-compressor",
+                    ["llmcompressor", "compressed-tensors", "transformers", "torch"],
+                    "GPTQModifier int4 symmetric, groups of 32, actorder='group'")
+
+
 # --- GPTQModel -----------------------------------------------------------------
 
 
@@ -369,6 +420,8 @@ def run_all(venvs: Path, out: Path) -> None:
     script = str(Path(__file__).resolve())
     steps = [([sys.executable, script, "base", str(base)], {}),
              ([str(venvs / "llmc/bin/python"), script, "llmcompressor", str(base), str(out)], {}),
+             ([str(venvs / "llmc06/bin/python"), script, "llmcompressor-0.6", str(base),
+               str(out)], {}),
              ([str(venvs / "gptqmodel/bin/python"), script, "gptqmodel", str(base), str(out)],
               {"GPTQMODEL_CPU_WORKERS": "2"}),
              ([str(venvs / "autoawq/bin/python"), script, "autoawq", str(base), str(out)], {})]
@@ -381,7 +434,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="step", required=True)
     sub.add_parser("base").add_argument("out", type=Path)
-    for step in ("llmcompressor", "gptqmodel", "autoawq"):
+    for step in ("llmcompressor", "llmcompressor-0.6", "gptqmodel", "autoawq"):
         p = sub.add_parser(step)
         p.add_argument("base", type=Path)
         p.add_argument("out", type=Path)
@@ -398,8 +451,8 @@ def main() -> None:
         base, out = args.base.resolve(), args.out.resolve()
         out.mkdir(parents=True, exist_ok=True)
         os.chdir(tempfile.mkdtemp())  # producers drop logs into the working directory
-        {"llmcompressor": run_llmcompressor, "gptqmodel": run_gptqmodel,
-         "autoawq": run_autoawq}[args.step](base, out)
+        {"llmcompressor": run_llmcompressor, "llmcompressor-0.6": run_llmcompressor_06,
+         "gptqmodel": run_gptqmodel, "autoawq": run_autoawq}[args.step](base, out)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ EXPECTED = {
     "llmc-gptq-w4a16-asym-g32-actorder": (4, 32, False, "compressed-tensors", False),
     "llmc-awq-w4a16-asym-g128": (4, 128, False, "compressed-tensors", False),
     "llmc-gptq-w8a16-channel": (8, -1, True, "compressed-tensors", False),
+    "llmc06-gptq-w4a16-g32-actorder-group": (4, 32, True, "compressed-tensors", True),
     "gptqmodel-w4-g32-desc-act-asym": (4, 32, False, "gptq", True),
     "gptqmodel-w4-g32-sym": (4, 32, True, "gptq", False),
     "gptqmodel-w4-g32-asym-v2": (4, 32, False, "gptq_v2", False),

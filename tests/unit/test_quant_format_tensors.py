@@ -57,7 +57,7 @@ def unpacked(out: Tensors, module: str, config: QuantConfig) -> QuantizedWeight:
 
 
 def test_every_fixture_is_committed() -> None:
-    assert len(FIXTURE_NAMES) == 8
+    assert len(FIXTURE_NAMES) == 9
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
@@ -77,8 +77,10 @@ def test_converted_fixture_equals_producer_dequantisation(name: str) -> None:
     assert torch.equal(out["lm_head.weight"], tensors["lm_head.weight"])
 
 
-def test_desc_act_fixture_has_a_real_permutation() -> None:
-    config, tensors, reference, _ = fixture("gptqmodel-w4-g32-desc-act-asym")
+@pytest.mark.parametrize("name", ["gptqmodel-w4-g32-desc-act-asym",
+                                  "llmc06-gptq-w4a16-g32-actorder-group"])
+def test_act_order_fixtures_have_real_permutations(name: str) -> None:
+    config, tensors, reference, _ = fixture(name)
     out = dict(quantized_stream(config, iter(tensors.items()), linears(reference).__contains__,
                                 torch.float32))
     perm = out["model.layers.0.mlp.down_proj.perm"]
