@@ -186,6 +186,8 @@ BAD_CONFIGS: list[tuple[dict[str, Any], str]] = [
     (gptq(dynamic={"-:(": {}}), "a valid regular expression"),
     (gptq(dynamic=["x"]), "quantization_config.dynamic="),
     (gptq(modules_in_block_to_quantize=[[1]]), "quantization_config.modules_in_block_to_quantize"),
+    (gptq(modules_in_block_to_quantize="mlp"), "quantization_config.modules_in_block_to_quantize"),
+    (gptq(dynamic={"-:x": [1]}), r"quantization_config.dynamic\['-:x'\]=\[1\].*an object"),
     (awq(version="gemv"), "quantization_config.version='gemv' is not supported; allowed: gemm"),
     (awq(version="exllama"), "quantization_config.version='exllama'"),
     (awq(bits=8), "quantization_config.bits=8.*allowed: 4"),

@@ -198,6 +198,8 @@ def _gptq_dynamic_ignore(qc: dict[str, Any], bits: int, group_size: int) -> list
             re.compile(regex)
         except re.error as e:
             raise _bad(f"dynamic[{pattern!r}]", pattern, f"a valid regular expression ({e})") from e
+        if not isinstance(overrides, dict | None):
+            raise _bad(f"dynamic[{pattern!r}]", overrides, "an object of overrides")
         if pattern.startswith("-:"):
             shield = "".join(f"(?!(?:{p}))" for p in earlier_positive)
             ignore.append(f"re:{shield}(?:{regex}).*")
@@ -216,7 +218,8 @@ def _gptq_block_modules_ignore(qc: dict[str, Any]) -> list[str]:
     blocks = qc.get("modules_in_block_to_quantize")
     if blocks is None:
         return []
-    names = [n for group in blocks for n in (group if isinstance(group, list) else [group])]
+    groups = blocks if isinstance(blocks, list) else []
+    names = [n for group in groups for n in (group if isinstance(group, list) else [group])]
     if not names or not all(isinstance(n, str) for n in names):
         raise _bad("modules_in_block_to_quantize", blocks, "null or lists of module names")
     kept = "|".join(re.escape(n) for n in names)
