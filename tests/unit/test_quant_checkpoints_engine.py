@@ -28,9 +28,6 @@ TOP_LOGPROBS = 5
 # Until kvserve/models/loader.py and engine/args.py call quant.formats (the
 # lead's side of issue 17), the engine builds 16-bit layers and refuses the
 # packed tensors; strict, so this marker must go when that lands.
-pytestmark = pytest.mark.xfail(raises=ValueError, strict=True,
-                               reason="the loader does not stream quant.formats yet")
-
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_engine_serves_quantised_checkpoint(name: str) -> None:
