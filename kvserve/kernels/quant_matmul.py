@@ -1,73 +1,67 @@
 """Weight-only quantised GEMMs: ``quant_matmul(x, qweight, scales, zeros, bits,
 group_size)`` is ``x[M, K] @ W'[N, K].T (+ bias)`` with ``W'`` the INT8 / INT4
 weight of ``quant/packing.py`` dequantised on the fly, in x's dtype (bf16 or
-fp16). Kernels and launchers only: the layers choose when to call it; this
-module imports nothing but torch and Triton (and its sibling kernels).
+fp16). Configs, checks, launchers, the path heuristic and the load-time
+repack live here; the Triton kernels in ``quant_matmul_kernels.py``. The
+layers decide when to call it; this module imports only torch and Triton
+(and sibling kernels).
 
-Kernel layout (``repack_for_kernels``, applied once at load to the tensors of
-``quant/packing.py``):
+Kernel layout (``repack_for_kernels``, once at load, from packing.py's):
 
-- ``qweight`` uint8 ``[N, K * bits / 8]``, the output dim first, as packed. INT8
-  is unchanged. INT4 keeps two values a byte but orders them within each 32
-  input columns (16 bytes): byte ``j`` holds column ``j`` in its low nibble and
-  column ``16 + j`` in its high one (packing.py: columns ``2j`` / ``2j + 1``).
-  So the low (high) nibbles of a 16-byte load are 16 consecutive columns, and
-  the activations they multiply are two 16-element runs (16-byte loads, and
-  ``tl.dot`` operands straight from shared memory) rather than every other
-  column. K must be a multiple of 32 (INT8: 16).
-- ``scales`` / ``zeros`` transposed to ``[K / group_size, N]`` (group-major,
-  contiguous): a program's rows of one group are contiguous, and the shape
-  tells a transposed tensor from packing.py's ``[N, K / group_size]``.
-  Zeros stay optional (None: symmetric, zero point ``2**(bits - 1)``).
-  ``group_size`` is K (one group per output row) or a power of two (>= 32,
-  INT8 >= 16) dividing K. Act-order's ``perm`` is the layer's: it permutes x.
+- ``qweight`` uint8 ``[N, K * bits / 8]``, output dim first. INT8 as packed.
+  INT4 reorders the nibbles within each 32 input columns (16 bytes): byte
+  ``j`` holds column ``j`` low and column ``16 + j`` high (packing.py: ``2j``
+  / ``2j + 1``), so the low (high) nibbles of a 16-byte load meet 16
+  consecutive activations: 16-byte loads of x and ``tl.dot`` operands
+  straight from shared memory instead of every other column. K must be a
+  multiple of 32 (INT8: 16).
+- ``scales`` / ``zeros`` transposed to ``[K / group_size, N]``, contiguous: a
+  program's rows of one group are adjacent, and the shape tells them from
+  packing.py's ``[N, K / group_size]``. ``zeros`` None: symmetric, zero point
+  ``2**(bits - 1)``. ``group_size``: K (one group per row) or a power of
+  two >= 32 (INT8 >= 16) dividing K. Act-order's ``perm`` is the layer's.
 
-Paths, chosen by the row count M (``quant_matmul``; module constants, no
-autotuning):
+Paths by row count M (``quant_matmul``; module constants, no autotuning):
 
-- **FMA** (M == 1, a batch-1 decode step; ``quant_fma_kernel``): modelled on
-  ``skinny_gemm.py``. Grid ``cdiv(N, BLOCK_N)``; a program owns BLOCK_N rows
-  of W and walks all of K once in BLOCK_K chunks, tiles ``[BLOCK_N, slots,
-  16 bytes]`` (a slot: one 16-byte vector, 32 INT4 or 16 INT8 values, always
-  inside one group) software-pipelined through shared memory. It dequantises
-  in registers, sums each slot's products in float32, scales the slot sum by
-  its group's scale once, and writes each output once: no split-K, nothing
-  read back, a fresh ``torch.empty`` output (CUDA-graph capturable).
+- **FMA** (M == 1; ``quant_fma_kernel``), modelled on ``skinny_gemm.py``: grid
+  ``cdiv(N, BLOCK_N)``, a program owns BLOCK_N rows of W and walks all of K
+  once, software-pipelined tiles ``[BLOCK_N, slots, 16 bytes]`` (a slot: one
+  16-byte load, 32 INT4 / 16 INT8 values, inside one group). It dequantises
+  in registers, sums each slot in float32, scales the slot sum by its
+  group's scale, writes each output once: no split-K, nothing read back, a
+  fresh ``torch.empty`` output (CUDA-graph capturable).
 - **Dot** (M >= 2; ``quant_dot_kernel``): swap-AB ``acc[BLOCK_N, BLOCK_M] +=
-  W'_tile @ x_tile.T`` with ``tl.dot``, W' dequantised in registers (on sm_90
-  Triton feeds it to wgmma as the register operand; x comes from shared
-  memory), a 2-D grid in grouped order (GROUP_M m-tiles side by side, for L2
-  reuse). Decode batches (M <= SKINNY_MAX_M) pad M to one 16-row tile
-  (``default_config``'s skinny tiles, programmatic dependent launch); larger
-  M takes the tile configs.
-- **Dequant + cuBLAS** (M >= DEQUANT_MIN_M; ``quant_dequant_kernel``):
-  writes the 16-bit ``[N, K]`` weight into a fresh buffer (N * K * 2 bytes
-  for the call) and runs ``F.linear``, where a compute-bound prefill wants
-  cuBLAS's tiles.
+  W'_tile @ x_tile.T``, W' dequantised in registers (on sm_90 Triton feeds it
+  to wgmma as the register operand, x from shared memory), a 2-D grid in
+  grouped order (GROUP_M m-tiles side by side share W tiles in L2). Decode
+  batches (M <= SKINNY_MAX_M) take one 16-row tile with programmatic
+  dependent launch; larger M the tile configs (``default_dot_config``).
+- **Dequant + cuBLAS** (M >= DEQUANT_MIN_M; ``quant_dequant_kernel``): the
+  16-bit ``[N, K]`` weight into a fresh buffer (N * K * 2 bytes for the
+  call), then ``F.linear``, for a compute-bound prefill.
 
-``gated`` (the MLP's down projection): x is ``[M, 2K]`` gate | up and the
-GEMM's input ``silu(gate) * up``, with ``kernels/activation.py``'s rounding.
-The FMA and dot kernels compute it as they load x (no SiLU-and-mul launch);
-the dequant path runs ``silu_and_mul`` first. Programmatic dependent launch
-(``kernels/pdl.py``, Hopper): the FMA and skinny dot kernels load their first
-``PRELOAD_TILES`` weight tiles (and their scales) before ``gdc_wait`` and let
-the next kernel start after their K loop, as the bf16 skinny GEMM does.
+``gated``: x is ``[M, 2K]`` gate | up and the GEMM's input ``silu(gate) *
+up`` with ``kernels/activation.py``'s rounding, computed as x is loaded by
+the FMA and dot kernels (the dequant path runs ``silu_and_mul`` first). Its
+exact float32 division costs ~10 instructions an activation, shared by the
+8 rows a thread holds: measure it against ``silu_and_mul`` + the plain GEMM
+(``benchmarks/quant_gemm.py``). With programmatic dependent launch
+(``kernels/pdl.py``, Hopper) the FMA and skinny dot kernels load their first
+``PRELOAD_TILES`` weight tiles (and scales) before ``gdc_wait`` and let the
+next kernel start after their K loop, as the bf16 skinny GEMM does.
 
-Arithmetic. A code ``q`` becomes a float with integer ops only (no int ->
-float conversion instruction): INT8 as the bits of ``2**23 + q`` (then
-``- (2**23 + z)``, exact); INT4 as ``0.5 + q / 256`` (exact; one PRMT per
-value on CUDA, inline PTX, with the same bits computed by plain integer ops
-under the interpreter). Per slot the FMA path sums ``v * x`` and subtracts
-``(0.5 + z / 256) * sum(x)`` (INT4) or sums ``(q - z) * x`` (INT8) in float32,
-then multiplies by ``scale`` (x256 for INT4), so each weight costs a couple of
-integer ops and one float FMA; the INT4 form cancels a few bits within a
-32-term slot sum (relative error ~1e-6, far below bf16's 4e-3). Everything
-then accumulates in float32, the bias is added in float32, and the output is
-rounded once. The dot and dequant paths round the weight to x's dtype before
-the product: ``(q - z) * scale`` is exact in float32 and rounded once (per
-group), or ``q - z`` exactly with the per-row scale applied to the float32
-accumulator (one group per row). References: ``quant/packing.py``'s
-``quantized_linear_reference`` and ``dequantize``.
+Arithmetic. Codes become floats with integer ops only (one PRMT a value,
+inline PTX on CUDA; the same bits from plain integer ops under the
+interpreter), never an int-to-float conversion: INT8 as ``2**23 + q``, minus
+``2**23 + z`` exactly; INT4 as ``0.5 + q / 256``. The FMA path sums ``(q - z)
+* x`` per slot in float32 (INT4: ``sum(v * x) - (0.5 + z / 256) * sum(x)``,
+a few bits cancelled within 32 terms, ~1e-6 relative) and multiplies by the
+scale; all sums float32, the bias added in float32, the output rounded once.
+The dot and dequant paths round the weight to x's dtype before the product:
+``(q - z) * scale``, exact in float32, rounded once; with one group per row
+``q - z`` is exact and the scale multiplies the float32 accumulator.
+Oracles: ``quant/packing.py``'s ``quantized_linear_reference`` and
+``dequantize``.
 """
 
 from __future__ import annotations
@@ -78,22 +72,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvserve.kernels.activation import silu_and_mul
 from kvserve.kernels.pdl import use_pdl
+from kvserve.kernels.quant_matmul_kernels import (
+    SLOT_BYTES,
+    quant_dequant_kernel,
+    quant_dot_kernel,
+    quant_fma_kernel,
+)
 
 DTYPES = (torch.bfloat16, torch.float16)
 QUANT_BITS = (4, 8)
-SLOT_BYTES = 16  # one 16-byte vector of packed codes
 SKINNY_MAX_M = 16  # up to this many rows: FMA (one row) or the 16-row dot tile
 DEQUANT_MIN_M = 4096  # from this many rows: dequantise, then cuBLAS (to tune on the GPU)
 DOT_BLOCK_M = 16  # tl.dot's smallest tile side: the skinny dot tile's rows
 PROGRAMS_PER_SM = 4  # skinny dot: thinner programs until this many per SM
 DEFAULT_NUM_SMS = 132
 PRELOAD_TILES = 2  # weight tiles a decode program loads before its PDL wait (1 or 2)
-INT4_VALUE_SCALE = 256.0  # INT4 codes are decoded as 0.5 + q / 256
 
 
 @dataclass(frozen=True)
@@ -156,392 +152,6 @@ def _check_powers_of_two(config: object, names: tuple[str, ...]) -> None:
         value = getattr(config, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name}={value}; must be a power of two")
-
-
-# ---------------------------------------------------------------- jit helpers
-
-
-@triton.jit
-def _int4_values(w, HIGH: tl.constexpr, ASM: tl.constexpr):
-    """uint8 codes -> float32 ``0.5 + q / 256`` of their low (or ``HIGH``) nibbles, exactly."""
-    if ASM:  # per 4 bytes: one mask (and shift), then one byte permute per value
-        if HIGH:
-            bits = tl.inline_asm_elementwise(
-                "{ .reg .b32 m, t; mov.b32 m, 0x3F000000; shr.b32 t, $4, 4;"
-                " and.b32 t, t, 0x0F0F0F0F; prmt.b32 $0, t, m, 0x7054; prmt.b32 $1, t, m, 0x7154;"
-                " prmt.b32 $2, t, m, 0x7254; prmt.b32 $3, t, m, 0x7354; }",
-                "=r,=r,=r,=r,r", [w], dtype=tl.int32, is_pure=True, pack=4)
-        else:
-            bits = tl.inline_asm_elementwise(
-                "{ .reg .b32 m, t; mov.b32 m, 0x3F000000;"
-                " and.b32 t, $4, 0x0F0F0F0F; prmt.b32 $0, t, m, 0x7054; prmt.b32 $1, t, m, 0x7154;"
-                " prmt.b32 $2, t, m, 0x7254; prmt.b32 $3, t, m, 0x7354; }",
-                "=r,=r,=r,=r,r", [w], dtype=tl.int32, is_pure=True, pack=4)
-    else:
-        q = w.to(tl.int32)
-        q = (q >> 4) if HIGH else (q & 0xF)
-        bits = (q << 16) | 0x3F000000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _int8_values(w, ASM: tl.constexpr):
-    """uint8 codes -> float32 ``2**23 + q``, exactly."""
-    if ASM:
-        bits = tl.inline_asm_elementwise(
-            "{ .reg .b32 m; mov.b32 m, 0x4B000000;"
-            " prmt.b32 $0, $4, m, 0x7540; prmt.b32 $1, $4, m, 0x7541;"
-            " prmt.b32 $2, $4, m, 0x7542; prmt.b32 $3, $4, m, 0x7543; }",
-            "=r,=r,=r,=r,r", [w], dtype=tl.int32, is_pure=True, pack=4)
-    else:
-        bits = w.to(tl.int32) | 0x4B000000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _masked_load(ptrs, mask):
-    """``ptrs`` loaded, zero where ``mask`` is false (no mask: ``mask`` None)."""
-    if mask is None:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=mask, other=0)
-
-
-@triton.jit
-def _group_params(s_ptr, z_ptr, offsets, mask, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """``(scale, offset)`` in float32 at ``offsets`` of the ``[groups, N]`` scales /
-    zeros: INT4 ``(256 * s, 0.5 + z / 256)``, INT8 ``(s, 2**23 + z)`` (the
-    offset the decoded values subtract; symmetric: the midpoint's)."""
-    s = _masked_load(s_ptr + offsets, mask).to(tl.float32)
-    if HAS_ZEROS:
-        z = _masked_load(z_ptr + offsets, mask).to(tl.float32)
-    else:
-        z = tl.full(s.shape, 2 ** (BITS - 1), tl.float32)
-    if BITS == 4:
-        return s * INT4_VALUE_SCALE, 0.5 + z * (1.0 / INT4_VALUE_SCALE)
-    return s, z + 8388608.0
-
-
-@triton.jit
-def _load_input(ptrs, mask, K, GATED: tl.constexpr):
-    """x at ``ptrs``; with ``GATED``, ``silu(gate) * up`` of the gate at ``ptrs``
-    and the up K columns on, rounded as ``kernels/activation.py`` rounds."""
-    x = _masked_load(ptrs, mask)
-    if GATED:
-        up = _masked_load(ptrs + K, mask)
-        gate = x.to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(x.dtype)
-        x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
-    return x
-
-
-# ------------------------------------------------------------ one row: FMA
-
-
-@triton.jit
-def _fma_weights(w_ptrs, s_ptr, z_ptr, rows, slot, k, N, K, BITS: tl.constexpr,
-                 GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                 EVEN_K: tl.constexpr):
-    """The packed ``[BLOCK_N, SLOTS, 16]`` tile at column ``k`` and, per group,
-    its ``[BLOCK_N, SLOTS]`` scale and offset (per channel: dummies)."""
-    VALS: tl.constexpr = 8 * SLOT_BYTES // BITS
-    slot_ok = k + slot * VALS < K
-    w = _masked_load(w_ptrs + k * BITS // 8, None if EVEN_K else slot_ok[None, :, None])
-    if PER_CHANNEL:
-        s = tl.zeros((1, 1), dtype=tl.float32)
-        c = s
-    else:
-        offsets = ((k + slot * VALS) // GROUP)[None, :] * N + rows[:, None]
-        s, c = _group_params(s_ptr, z_ptr, offsets, None if EVEN_K else slot_ok[None, :],
-                             BITS, HAS_ZEROS)
-    return w, s, c
-
-
-@triton.jit
-def _fma_accumulate(acc, w, s, c, x_ptrs, slot, k, K, BITS: tl.constexpr,
-                    PER_CHANNEL: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-                    ASM: tl.constexpr):
-    """``acc[BLOCK_N, SLOTS]`` plus each slot's ``sum((q - z) * x)`` (INT4: / 256),
-    times its group's scale unless ``PER_CHANNEL`` (applied once at the end)."""
-    VALS: tl.constexpr = 8 * SLOT_BYTES // BITS
-    x_mask = None if EVEN_K else (k + slot * VALS < K)[:, None]
-    if BITS == 4:  # low nibbles: the slot's first 16 columns, high nibbles: the next 16
-        x_lo = _load_input(x_ptrs + k, x_mask, K, GATED).to(tl.float32)[None, :, :]
-        x_hi = _load_input(x_ptrs + k + 16, x_mask, K, GATED).to(tl.float32)[None, :, :]
-        dot = tl.sum(_int4_values(w, False, ASM) * x_lo + _int4_values(w, True, ASM) * x_hi,
-                     axis=2)
-        part = dot - c * tl.sum(x_lo + x_hi, axis=2)  # sum((v - 0.5 - z / 256) * x)
-    else:
-        x = _load_input(x_ptrs + k, x_mask, K, GATED).to(tl.float32)[None, :, :]
-        part = tl.sum((_int8_values(w, ASM) - c[:, :, None]) * x, axis=2)
-    if PER_CHANNEL:
-        return acc + part
-    return acc + part * s
-
-
-@triton.jit
-def quant_fma_kernel(
-    x_ptr,  # [1, K] ([1, 2K] gate | up when GATED), unit last stride
-    qw_ptr,  # uint8 [N, K * BITS / 8], kernel layout, row stride stride_qn
-    s_ptr,  # [K / GROUP, N] contiguous, x's dtype
-    z_ptr,  # like s_ptr, read only when HAS_ZEROS
-    bias_ptr,  # [N], read only when HAS_BIAS
-    out_ptr,  # [1, N]
-    N,
-    K,
-    stride_qn,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,  # group size (unused when PER_CHANNEL)
-    PER_CHANNEL: tl.constexpr,  # one group per row: scale and zero loaded once
-    HAS_ZEROS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on any load
-    NUM_STAGES: tl.constexpr,
-    GATED: tl.constexpr,
-    PDL: tl.constexpr,
-    PRELOAD: tl.constexpr,  # with PDL: tiles loaded before the wait (1 or 2, <= K's)
-    ASM: tl.constexpr,  # inline PTX unpacking (compiled CUDA; not the interpreter)
-):
-    VALS: tl.constexpr = 8 * SLOT_BYTES // BITS  # values in a slot
-    SLOTS: tl.constexpr = BLOCK_K // VALS
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_c = tl.minimum(rows, N - 1)  # rows past N re-read row N - 1; the store drops them
-    slot = tl.arange(0, SLOTS)
-    byte = tl.arange(0, SLOT_BYTES)
-    w_ptrs = (qw_ptr + rows_c.to(tl.int64)[:, None, None] * stride_qn
-              + slot[None, :, None] * SLOT_BYTES + byte[None, None, :])
-    x_ptrs = x_ptr + slot[:, None] * VALS + byte[None, :]  # [SLOTS, 16]
-    acc = tl.zeros((BLOCK_N, SLOTS), dtype=tl.float32)
-    if PER_CHANNEL:
-        s_row, c_row = _group_params(s_ptr, z_ptr, rows_c, None, BITS, HAS_ZEROS)
-        c_row = c_row[:, None]
-    else:
-        c_row = tl.zeros((1, 1), dtype=tl.float32)
-    first_k = 0
-    if PDL:  # W is constant: its first tiles stream during the previous kernel's tail
-        w, s, c = _fma_weights(w_ptrs, s_ptr, z_ptr, rows_c, slot, 0, N, K, BITS, GROUP,
-                               PER_CHANNEL, HAS_ZEROS, EVEN_K)
-        if PRELOAD == 2:
-            w2, s2, c2 = _fma_weights(w_ptrs, s_ptr, z_ptr, rows_c, slot, BLOCK_K, N, K, BITS,
-                                      GROUP, PER_CHANNEL, HAS_ZEROS, EVEN_K)
-        gdc_wait()
-        acc = _fma_accumulate(acc, w, s, c_row if PER_CHANNEL else c, x_ptrs, slot, 0, K,
-                              BITS, PER_CHANNEL, GATED, EVEN_K, ASM)
-        if PRELOAD == 2:
-            acc = _fma_accumulate(acc, w2, s2, c_row if PER_CHANNEL else c2, x_ptrs, slot,
-                                  BLOCK_K, K, BITS, PER_CHANNEL, GATED, EVEN_K, ASM)
-        first_k = PRELOAD * BLOCK_K
-    for k in tl.range(first_k, K, BLOCK_K, num_stages=NUM_STAGES):
-        w, s, c = _fma_weights(w_ptrs, s_ptr, z_ptr, rows_c, slot, k, N, K, BITS, GROUP,
-                               PER_CHANNEL, HAS_ZEROS, EVEN_K)
-        acc = _fma_accumulate(acc, w, s, c_row if PER_CHANNEL else c, x_ptrs, slot, k, K,
-                              BITS, PER_CHANNEL, GATED, EVEN_K, ASM)
-    if PDL:  # the next kernel may start loading its own weights
-        gdc_launch_dependents()
-    out = tl.sum(acc, axis=1)  # [BLOCK_N]
-    if PER_CHANNEL:
-        out = out * s_row
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + rows_c).to(tl.float32)
-    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
-
-
-# ------------------------------------------------------- tiles: swap-AB dot
-
-
-@triton.jit
-def _dot_weights(w_ptrs, s_ptr, z_ptr, rows, gi, byte, k, N, K, BITS: tl.constexpr,
-                 GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr):
-    """The packed ``[BLOCK_N, GROUPS, bytes]`` tile at column ``k`` (GROUPS
-    groups side by side, or a part of one group) and its ``[BLOCK_N, GROUPS, 1]``
-    scale and offset (per channel: dummies, the caller holds the row's)."""
-    SUB: tl.constexpr = BLOCK_K // GROUPS  # columns of one group in the tile
-    VALS: tl.constexpr = 8 * SLOT_BYTES // BITS
-    first = k + gi * SUB  # [GROUPS] first column of each part
-    slot_first = first[None, :, None] + (byte // SLOT_BYTES * VALS)[None, None, :]
-    w = _masked_load(w_ptrs + k * BITS // 8, None if EVEN_K else slot_first < K)
-    if PER_CHANNEL:
-        s = tl.zeros((1, 1, 1), dtype=tl.float32)
-        c = s
-    else:
-        offsets = (first // GROUP)[None, :] * N + rows[:, None]
-        s, c = _group_params(s_ptr, z_ptr, offsets, None if EVEN_K else (first < K)[None, :],
-                             BITS, HAS_ZEROS)
-        s, c = s[:, :, None], c[:, :, None]
-    return w, s, c
-
-
-@triton.jit
-def _dot_operand(w, s, c, HIGH: tl.constexpr, BITS: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                 ASM: tl.constexpr, dtype: tl.constexpr):
-    """The dequantised ``[BLOCK_N, bytes]`` operand in x's dtype: ``(q - z) * s``
-    rounded once (INT4 per channel: ``(q - z) / 256`` exactly, the scale left
-    for the accumulator)."""
-    if BITS == 4:
-        v = _int4_values(w, HIGH, ASM)
-        if PER_CHANNEL:
-            d = v - c
-        else:  # (v - c) * s in one exact FMA: both products fit float32
-            d = v * s - c * s
-    else:
-        d = _int8_values(w, ASM) - c
-        if not PER_CHANNEL:
-            d = d * s
-    d = d.to(dtype)
-    return tl.reshape(d, (d.shape[0], d.shape[1] * d.shape[2]))
-
-
-@triton.jit
-def _dot_accumulate(acc, w, s, c, x_ptrs, x_rows_ok, cols, k, K, BITS: tl.constexpr,
-                    PER_CHANNEL: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-                    ASM: tl.constexpr):
-    """``acc[BLOCK_N, BLOCK_M]`` plus the dequantised tile times x's columns at ``k``."""
-    mask = x_rows_ok if EVEN_K else x_rows_ok & (k + cols < K)[None, :]
-    x = _load_input(x_ptrs + k, mask, K, GATED)
-    acc = tl.dot(_dot_operand(w, s, c, False, BITS, PER_CHANNEL, ASM, x.dtype), tl.trans(x), acc)
-    if BITS == 4:  # high nibbles: the columns 16 on in each run of 32
-        x = _load_input(x_ptrs + k + 16, mask, K, GATED)
-        acc = tl.dot(_dot_operand(w, s, c, True, BITS, PER_CHANNEL, ASM, x.dtype), tl.trans(x),
-                     acc)
-    return acc
-
-
-@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count
-def quant_dot_kernel(
-    x_ptr,  # [M, K] ([M, 2K] gate | up when GATED), row stride stride_xm, unit last stride
-    qw_ptr,  # uint8 [N, K * BITS / 8], kernel layout, row stride stride_qn
-    s_ptr,  # [K / GROUP, N] contiguous, x's dtype
-    z_ptr,  # like s_ptr, read only when HAS_ZEROS
-    bias_ptr,  # [N], read only when HAS_BIAS
-    out_ptr,  # [M, N] contiguous
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_qn,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    PER_CHANNEL: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    GATED: tl.constexpr,
-    PDL: tl.constexpr,
-    PRELOAD: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    TILE_BYTES: tl.constexpr = BLOCK_K * BITS // 8  # a row's packed bytes per K step
-    GROUPS: tl.constexpr = 1 if PER_CHANNEL or BLOCK_K <= GROUP else BLOCK_K // GROUP
-    # grouped program order: GROUP_M m-tiles side by side share W tiles in L2
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of W = output columns
-    rows_c = tl.minimum(rows, N - 1)
-    xs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of x = output rows
-    gi = tl.arange(0, GROUPS)
-    byte = tl.arange(0, TILE_BYTES // GROUPS)
-    w_ptrs = (qw_ptr + rows_c.to(tl.int64)[:, None, None] * stride_qn
-              + gi[None, :, None] * (TILE_BYTES // GROUPS) + byte[None, None, :])
-    # x's columns for each packed byte of the tile: INT4 low nibbles (high: +16)
-    tile_byte = tl.arange(0, TILE_BYTES)
-    cols = (tile_byte // 16) * 32 + tile_byte % 16 if BITS == 4 else tile_byte
-    x_ptrs = x_ptr + xs.to(tl.int64)[:, None] * stride_xm + cols[None, :]
-    x_rows_ok = (xs < M)[:, None]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if PER_CHANNEL:
-        s_row, c_row = _group_params(s_ptr, z_ptr, rows_c, None, BITS, HAS_ZEROS)
-        c_row = c_row[:, None, None]
-    else:
-        c_row = tl.zeros((1, 1, 1), dtype=tl.float32)
-    first_k = 0
-    if PDL:
-        w, s, c = _dot_weights(w_ptrs, s_ptr, z_ptr, rows_c, gi, byte, 0, N, K, BITS, GROUP,
-                               PER_CHANNEL, HAS_ZEROS, EVEN_K, BLOCK_K, GROUPS)
-        if PRELOAD == 2:
-            w2, s2, c2 = _dot_weights(w_ptrs, s_ptr, z_ptr, rows_c, gi, byte, BLOCK_K, N, K,
-                                      BITS, GROUP, PER_CHANNEL, HAS_ZEROS, EVEN_K, BLOCK_K,
-                                      GROUPS)
-        gdc_wait()
-        acc = _dot_accumulate(acc, w, s, c_row if PER_CHANNEL else c, x_ptrs, x_rows_ok, cols,
-                              0, K, BITS, PER_CHANNEL, GATED, EVEN_K, ASM)
-        if PRELOAD == 2:
-            acc = _dot_accumulate(acc, w2, s2, c_row if PER_CHANNEL else c2, x_ptrs, x_rows_ok,
-                                  cols, BLOCK_K, K, BITS, PER_CHANNEL, GATED, EVEN_K, ASM)
-        first_k = PRELOAD * BLOCK_K
-    for k in tl.range(first_k, K, BLOCK_K, num_stages=NUM_STAGES):
-        w, s, c = _dot_weights(w_ptrs, s_ptr, z_ptr, rows_c, gi, byte, k, N, K, BITS, GROUP,
-                               PER_CHANNEL, HAS_ZEROS, EVEN_K, BLOCK_K, GROUPS)
-        acc = _dot_accumulate(acc, w, s, c_row if PER_CHANNEL else c, x_ptrs, x_rows_ok, cols,
-                              k, K, BITS, PER_CHANNEL, GATED, EVEN_K, ASM)
-    if PDL:
-        gdc_launch_dependents()
-    if PER_CHANNEL:
-        acc = acc * s_row[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows_c).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + xs.to(tl.int64)[None, :] * N + rows[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
-             mask=(rows < N)[:, None] & (xs < M)[None, :])
-
-
-# ------------------------------------------------------------------ dequant
-
-
-@triton.jit
-def quant_dequant_kernel(
-    qw_ptr,  # uint8 [N, K * BITS / 8], kernel layout, row stride stride_qn
-    s_ptr,  # [K / GROUP, N] contiguous
-    z_ptr,  # like s_ptr, read only when HAS_ZEROS
-    out_ptr,  # [N, K] contiguous, the scales' dtype
-    N,
-    K,
-    stride_qn,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    PER_CHANNEL: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    VALS: tl.constexpr = 8 * SLOT_BYTES // BITS
-    SLOTS: tl.constexpr = BLOCK_K // VALS
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_c = tl.minimum(rows, N - 1)
-    k = tl.program_id(1) * BLOCK_K
-    slot = tl.arange(0, SLOTS)
-    byte = tl.arange(0, SLOT_BYTES)
-    w_ptrs = (qw_ptr + rows_c.to(tl.int64)[:, None, None] * stride_qn
-              + slot[None, :, None] * SLOT_BYTES + byte[None, None, :])
-    w, s, c = _fma_weights(w_ptrs, s_ptr, z_ptr, rows_c, slot, k, N, K, BITS, GROUP,
-                           PER_CHANNEL, HAS_ZEROS, EVEN_K)
-    if PER_CHANNEL:
-        s, c = _group_params(s_ptr, z_ptr, rows_c, None, BITS, HAS_ZEROS)
-        s, c = s[:, None, None], c[:, None, None]
-    else:
-        s, c = s[:, :, None], c[:, :, None]
-    out_ptrs = (out_ptr + rows.to(tl.int64)[:, None, None] * K + k
-                + slot[None, :, None] * VALS + byte[None, None, :])
-    mask = (rows < N)[:, None, None] & (k + slot * VALS < K)[None, :, None]
-    dtype = out_ptr.dtype.element_ty
-    if BITS == 4:  # (v - c) * s in one exact FMA, rounded once
-        tl.store(out_ptrs, (_int4_values(w, False, ASM) * s - c * s).to(dtype), mask=mask)
-        tl.store(out_ptrs + 16, (_int4_values(w, True, ASM) * s - c * s).to(dtype), mask=mask)
-    else:
-        tl.store(out_ptrs, ((_int8_values(w, ASM) - c) * s).to(dtype), mask=mask)
 
 
 # ---------------------------------------------------------------- launchers
@@ -624,9 +234,12 @@ def _cap_block_k(block_k: int, k: int, minimum: int = 32) -> int:
 
 @functools.lru_cache(maxsize=256)
 def default_fma_config(bits: int, n: int, k: int) -> FmaConfig:
-    """One row: programs of 8 rows of W walking 512 packed bytes of each per
-    step (INT4 1,024 columns, INT8 512), 2 warps (4 rows a thread), 3 stages."""
-    return FmaConfig(8, _cap_block_k(1024 if bits == 4 else 512, k), 2, 3)
+    """One row: programs of 16 rows of W walking 512 packed bytes of each per
+    step (INT4 1,024 columns, INT8 512), 2 warps (8 rows a thread, so each
+    activation loaded and converted serves 8 weights), 3 stages. (An 8 KB tile
+    a stage, as the bf16 skinny GEMM's; the sm_90 SASS of this tile spends ~3.9
+    instructions a weight at INT4 g128 against ~4.4 with 4 rows a thread.)"""
+    return FmaConfig(16, _cap_block_k(1024 if bits == 4 else 512, k), 2, 3)
 
 
 @functools.lru_cache(maxsize=256)
@@ -635,8 +248,8 @@ def default_dot_config(bits: int, m: int, n: int, k: int,
     """Decode batches (``m <= SKINNY_MAX_M``): one 16-row tile of x, ``block_n``
     the largest of 64 / 32 / 16 that still gives ``PROGRAMS_PER_SM`` programs an
     SM (a warp per 16 rows of W), 128 packed bytes a row per step, 4 stages.
-    More rows: 128 rows of W by 64 (``m <= 64``) or 128 rows of x, 64 packed
-    bytes a row per step, 8 warps, 3 stages, 8 m-tiles side by side."""
+    More rows: 128 rows of W by 64 (``m <= 64``, 4 stages) or 128 rows of x
+    (3 stages), 64 packed bytes a row per step, 8 warps, 8 m-tiles side by side."""
     if m <= SKINNY_MAX_M:
         block_n = 64
         while block_n > 16 and triton.cdiv(n, block_n) < PROGRAMS_PER_SM * num_sms:
@@ -644,7 +257,9 @@ def default_dot_config(bits: int, m: int, n: int, k: int,
         block_k = _cap_block_k(256 if bits == 4 else 128, k)
         return DotConfig(DOT_BLOCK_M, block_n, block_k, block_n // 16, 4)
     block_k = _cap_block_k(128 if bits == 4 else 64, k)
-    return DotConfig(64 if m <= 64 else 128, 128, block_k, 8, 3)
+    if m <= 64:
+        return DotConfig(64, 128, block_k, 8, 4)
+    return DotConfig(128, 128, block_k, 8, 3)
 
 
 def default_dequant_config(bits: int, k: int) -> DequantConfig:
@@ -776,7 +391,7 @@ def repack_for_kernels(
     on the same device: INT4 nibbles reordered within each 32 columns (a new
     tensor; INT8 ``qweight`` is returned as it is), scales and zeros transposed
     to ``[K / group_size, N]`` (module docstring)."""
-    n, k = _check_weight(qweight, scales, zeros, bits, group_size, transposed=False)
+    n, _ = _check_weight(qweight, scales, zeros, bits, group_size, transposed=False)
     if bits == 4:
         packed = torch.empty_like(qweight)
         for start in range(0, n, 4096):  # bounded temporaries for large weights
