@@ -78,10 +78,13 @@ MAX_CALLS = 48
 MAX_ERROR = 1e-2
 DTYPE = torch.bfloat16
 # sweep candidates; "bytes" is the packed bytes of a row per K step (block_k = bytes * 8 / bits)
-FMA_SWEEP = [(16, 512, 2, 3), (16, 512, 2, 4), (8, 512, 2, 3), (8, 512, 1, 4), (32, 512, 4, 3),
-             (16, 1024, 4, 3), (8, 1024, 2, 3), (4, 1024, 1, 3), (16, 256, 2, 4), (32, 256, 2, 4)]
-SKINNY_DOT_SWEEP = [(16, 64, 1, 6), (16, 128, 1, 4), (16, 256, 1, 3), (32, 128, 2, 4),
-                    (32, 256, 2, 3), (64, 64, 4, 6), (64, 128, 4, 4), (64, 256, 4, 3)]
+# (block_n, bytes, warps, stages, PDL preload)
+FMA_SWEEP = [(16, 512, 2, 3, 1), (16, 512, 2, 4, 2), (8, 512, 2, 3, 2), (8, 512, 2, 3, 1),
+             (8, 512, 1, 4, 2), (32, 512, 4, 3, 2), (16, 1024, 4, 3, 2), (8, 1024, 2, 3, 2),
+             (4, 1024, 1, 3, 2), (16, 256, 2, 4, 2), (32, 256, 2, 4, 2)]
+SKINNY_DOT_SWEEP = [(16, 64, 1, 6, 2), (16, 128, 1, 4, 2), (16, 128, 1, 4, 1), (16, 256, 1, 3, 2),
+                    (32, 128, 2, 4, 2), (32, 256, 2, 3, 2), (64, 64, 4, 6, 2), (64, 128, 4, 4, 2),
+                    (64, 128, 4, 4, 1), (64, 256, 4, 3, 2)]
 # (block_m, block_n, bytes, warps, stages)
 TILE_SWEEP = [(32, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 8, 4), (64, 128, 128, 8, 3),
               (128, 64, 64, 4, 4), (128, 128, 32, 8, 4), (128, 128, 64, 8, 3),
@@ -216,7 +219,7 @@ class Runner:
 
 
 CONFIG_LETTERS = {"block_m": "m", "block_n": "n", "block_k": "k", "num_warps": "w",
-                  "num_stages": "s", "group_m": "g"}
+                  "num_stages": "s", "group_m": "g", "preload": "p"}
 
 
 def config_name(config: qm.QuantGemmConfig) -> str:
@@ -291,10 +294,11 @@ def sweep_configs(weights: Weights, m: int, k: int) -> list[tuple[str, qm.QuantG
         return max(32, min(block_k, triton.next_power_of_2(k)))
 
     if m == 1:
-        return [("fma", qm.FmaConfig(bn, cap(b * per_byte), w, s)) for bn, b, w, s in FMA_SWEEP]
+        return [("fma", qm.FmaConfig(bn, cap(b * per_byte), w, s, p))
+                for bn, b, w, s, p in FMA_SWEEP]
     if m <= qm.SKINNY_MAX_M:
-        return [("dot", qm.DotConfig(16, bn, cap(b * per_byte), w, s))
-                for bn, b, w, s in SKINNY_DOT_SWEEP]
+        return [("dot", qm.DotConfig(16, bn, cap(b * per_byte), w, s, preload=p))
+                for bn, b, w, s, p in SKINNY_DOT_SWEEP]
     return [("dot", qm.DotConfig(bm, bn, cap(b * per_byte), w, s)) for bm, bn, b, w, s in TILE_SWEEP
             if bm <= 2 * max(m, 16)] + (
         [("dequant", qm.DequantConfig(bn, cap(b * per_byte), w)) for bn, b, w in DEQUANT_SWEEP]

@@ -89,7 +89,10 @@ DEQUANT_MIN_M = 4096  # from this many rows: dequantise, then cuBLAS (to tune on
 DOT_BLOCK_M = 16  # tl.dot's smallest tile side: the skinny dot tile's rows
 PROGRAMS_PER_SM = 4  # skinny dot: thinner programs until this many per SM
 DEFAULT_NUM_SMS = 132
-PRELOAD_TILES = 2  # weight tiles a decode program loads before its PDL wait (1 or 2)
+# weight tiles a decode program loads before its PDL wait (1 or 2; configs may differ). Two
+# beat one for the bf16 skinny GEMM; here two cost the FMA kernel ~250 registers against
+# ~170 (sm_90 ptxas), so the sweep times both
+PRELOAD_TILES = 2
 
 
 @dataclass(frozen=True)
@@ -100,12 +103,14 @@ class FmaConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    preload: int = PRELOAD_TILES  # with PDL: tiles loaded before the wait
 
     def __post_init__(self) -> None:
         _check_powers_of_two(self, ("block_n", "block_k", "num_warps"))
         if self.block_k < 32 or self.num_stages < 1:
             raise ValueError(f"block_k={self.block_k}, num_stages={self.num_stages}; "
                              "need block_k >= 32 and num_stages >= 1")
+        _check_preload(self.preload)
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,7 @@ class DotConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8  # m-tiles side by side in the program order (L2 reuse of W)
+    preload: int = PRELOAD_TILES  # decode batches with PDL: tiles loaded before the wait
 
     def __post_init__(self) -> None:
         _check_powers_of_two(self, ("block_m", "block_n", "block_k", "num_warps"))
@@ -128,6 +134,7 @@ class DotConfig:
         if self.num_stages < 1 or self.group_m < 1:
             raise ValueError(f"num_stages={self.num_stages}, group_m={self.group_m}; "
                              "both must be >= 1")
+        _check_preload(self.preload)
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,11 @@ class DequantConfig:
 
 
 QuantGemmConfig = FmaConfig | DotConfig | DequantConfig
+
+
+def _check_preload(preload: int) -> None:
+    if preload not in (1, 2):
+        raise ValueError(f"preload={preload}; allowed: 1, 2")
 
 
 def _check_powers_of_two(config: object, names: tuple[str, ...]) -> None:
@@ -292,7 +304,7 @@ def quant_matmul_fma(
         scales if bias is None else bias, out, n, k, qweight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, NUM_STAGES=config.num_stages, GATED=gated, PDL=pdl,
-        PRELOAD=min(PRELOAD_TILES, triton.cdiv(k, config.block_k)) if pdl else 1,
+        PRELOAD=min(config.preload, triton.cdiv(k, config.block_k)) if pdl else 1,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         **_constexprs(bits, group_size, k, zeros, x.device),
     )
@@ -320,7 +332,7 @@ def quant_matmul_dot(
         HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, EVEN_K=k % config.block_k == 0,
         NUM_STAGES=config.num_stages, GATED=gated, PDL=pdl,
-        PRELOAD=min(PRELOAD_TILES, triton.cdiv(k, config.block_k)) if pdl else 1,
+        PRELOAD=min(config.preload, triton.cdiv(k, config.block_k)) if pdl else 1,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         **_constexprs(bits, group_size, k, zeros, x.device),
     )

@@ -290,6 +290,7 @@ def test_bad_inputs_raise_naming_the_tensor() -> None:
             (lambda: FmaConfig(16, 16, 2, 2), "block_k=16, num_stages=2; need block_k >= 32"),
             (lambda: DotConfig(8, 16, 64, 1, 2), "block_m=8, block_n=16, block_k=64"),
             (lambda: DotConfig(16, 16, 64, 1, 0), "num_stages=0"),
+            (lambda: DotConfig(16, 16, 64, 1, 2, preload=3), "preload=3; allowed: 1, 2"),
             (lambda: DequantConfig(16, 16, 2), "block_k=16; must be >= 32"),
             (lambda: qm.repack_for_kernels(q, s, z, 4, 32), r"scales: .* packing\.py's layout")):
         with pytest.raises(ValueError, match=message):
