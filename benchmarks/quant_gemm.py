@@ -5,8 +5,8 @@ GEMM (one row), then INT8 per channel, INT4 g128 and INT4 g128 with zero
 points through every path that applies (the one-row FMA kernel, the dot
 kernel's skinny tile up to 16 rows and its tiles above, dequantise + cuBLAS
 from 256 rows) and through ``quant_matmul``'s own choice ("auto"). The down
-projection at one row also runs gated (the SiLU gate fused) against
-``silu_and_mul`` + the plain kernel.
+projection at 1-16 rows also runs gated, the SiLU gate fused into the kernel
+against ``silu_and_mul`` + the plain kernel (``FUSED_GATE_MAX_M``).
 
 Timing: each call is captured ``calls`` times back to back in a CUDA graph
 (``calls`` chosen so a replay takes ~2 ms, at most 48), rotating over copies
@@ -276,15 +276,30 @@ def run_shape(shape: str, kinds: list[str], rows: list[int], copy_gb_s: float) -
             for path, config in default_paths(weights, m, n, k):
                 runner.time(weights, xs[m], path, config_name(config), quant_call(weights, config))
             runner.time(weights, xs[m], "auto", "quant_matmul", quant_call(weights, None))
-        if shape == "down" and 1 in rows:
-            gate_up = torch.randn(1, 2 * k, device="cuda").to(DTYPE)
-            runner.time(weights, gate_up, "fma-gated", "default",
-                        quant_call(weights, None, gated=True), gated=True)
-            runner.time(weights, gate_up, "fma+silu", "silu_and_mul + default",
-                        silu_first(quant_call(weights, None)), gated=True)
+        if shape == "down":
+            time_gates(runner, weights, [m for m in rows if m <= qm.SKINNY_MAX_M])
         del weights
         torch.cuda.empty_cache()
     return runner
+
+
+def time_gates(runner: Runner, weights: Weights, rows: list[int]) -> None:
+    """The gated down projection: the gate fused into the kernel against
+    ``silu_and_mul`` then the plain kernel, at decode row counts."""
+    for m in rows:
+        gate_up = torch.randn(m, 2 * runner.k, device="cuda").to(DTYPE)
+        path = "fma" if m == 1 else "dot"
+        if m == 1:
+            fused = quant_call(weights, None, gated=True)
+        else:
+            def fused(x: torch.Tensor, t: KernelWeight) -> torch.Tensor:
+                q, s, z = t
+                assert s is not None
+                return qm.quant_matmul_dot(x, q, s, z, weights.bits, weights.group_size,
+                                           gated=True, fuse_gate=True)
+        runner.time(weights, gate_up, f"{path}-gated", "default", fused, gated=True)
+        runner.time(weights, gate_up, f"{path}+silu", "silu_and_mul + default",
+                    silu_first(quant_call(weights, None)), gated=True)
 
 
 def sweep_configs(weights: Weights, m: int, k: int) -> list[tuple[str, qm.QuantGemmConfig]]:

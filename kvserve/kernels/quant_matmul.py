@@ -41,14 +41,17 @@ Paths by row count M (``quant_matmul``; module constants, no autotuning):
   call), then ``F.linear``, for a compute-bound prefill.
 
 ``gated``: x is ``[M, 2K]`` gate | up and the GEMM's input ``silu(gate) *
-up`` with ``kernels/activation.py``'s rounding, computed as x is loaded by
-the FMA and dot kernels (the dequant path runs ``silu_and_mul`` first). Its
-exact float32 division costs ~10 instructions an activation, shared by the
-8 rows a thread holds: measure it against ``silu_and_mul`` + the plain GEMM
-(``benchmarks/quant_gemm.py``). With programmatic dependent launch
-(``kernels/pdl.py``, Hopper) the FMA and skinny dot kernels load their first
-``PRELOAD_TILES`` weight tiles (and scales) before ``gdc_wait`` and let the
-next kernel start after their K loop, as the bf16 skinny GEMM does.
+up`` with ``kernels/activation.py``'s rounding. The FMA kernel computes it as
+it loads x (no SiLU-and-mul launch); its exact float32 division costs ~10
+instructions an activation, shared by the 8 rows a thread holds. The dot
+kernel can too, but each of its N / BLOCK_N programs recomputes the gate of
+all its rows, so above ``FUSED_GATE_MAX_M`` rows (and on the dequant path)
+``silu_and_mul`` runs first; ``benchmarks/quant_gemm.py`` times both.
+
+With programmatic dependent launch (``kernels/pdl.py``, Hopper) the FMA and
+skinny dot kernels load their first weight tiles (and scales; a config's
+``preload``) before ``gdc_wait`` and let the next kernel start after their K
+loop, as the bf16 skinny GEMM does.
 
 Arithmetic. Codes become floats with integer ops only (one PRMT a value,
 inline PTX on CUDA; the same bits from plain integer ops under the
@@ -88,6 +91,9 @@ SKINNY_MAX_M = 16  # up to this many rows: FMA (one row) or the 16-row dot tile
 DEQUANT_MIN_M = 4096  # from this many rows: dequantise, then cuBLAS (to tune on the GPU)
 DOT_BLOCK_M = 16  # tl.dot's smallest tile side: the skinny dot tile's rows
 PROGRAMS_PER_SM = 4  # skinny dot: thinner programs until this many per SM
+# every program recomputes the gate for its rows of x: ~10 instructions an activation, times
+# N / BLOCK_N programs, which only the one-row FMA path amortises (over 8 rows a thread)
+FUSED_GATE_MAX_M = 1
 DEFAULT_NUM_SMS = 132
 # weight tiles a decode program loads before its PDL wait (1 or 2; configs may differ). Two
 # beat one for the bf16 skinny GEMM; here two cost the FMA kernel ~250 registers against
@@ -193,6 +199,8 @@ def _check_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
                          f"power of two >= {vals} that divides K")
     groups = (k // group_size, n) if transposed else (n, k // group_size)
     layout = "the kernel layout (repack_for_kernels)" if transposed else "packing.py's layout"
+    if not isinstance(scales, torch.Tensor):
+        raise ValueError(f"scales: {scales!r}; expected a {groups} tensor, {layout}")
     for name, tensor in (("scales", scales), ("zeros", zeros)):
         if tensor is None:
             continue
@@ -314,12 +322,16 @@ def quant_matmul_fma(
 def quant_matmul_dot(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
     bits: int, group_size: int, bias: torch.Tensor | None = None, gated: bool = False,
-    config: DotConfig | None = None,
+    config: DotConfig | None = None, fuse_gate: bool | None = None,
 ) -> torch.Tensor:
     """The ``tl.dot`` path of ``quant_matmul``: the skinny tile for decode
-    batches (with programmatic dependent launch), the tile GEMM above."""
+    batches (with programmatic dependent launch), the tile GEMM above. A gated
+    input is fused (``silu(gate) * up`` as x is loaded) when ``fuse_gate``,
+    by default up to ``FUSED_GATE_MAX_M`` rows; else ``silu_and_mul`` runs first."""
     n, k = _check_weight(qweight, scales, zeros, bits, group_size)
     m = _check_input(x, k, n, scales, bias, gated)
+    if gated and not (m <= FUSED_GATE_MAX_M if fuse_gate is None else fuse_gate):
+        x, gated = silu_and_mul(x), False
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out

@@ -192,8 +192,13 @@ def test_gated_input_equals_silu_and_mul_first(bits: int, group: int, symmetric:
     m = 1 if isinstance(config, FmaConfig) else 3
     qw, gate_up, bias = make_case(bits, group, symmetric, k, m, dtype, seed=21, gated=True)
     gate_up = 2.0 * gate_up  # reach silu's curved part
-    fused = run(gate_up, qw, bias, config, gated=True)
+    if isinstance(config, DotConfig):  # three rows: fused only when asked
+        fused = qm.quant_matmul_dot(gate_up, *kernel_tensors(qw), bits, qw.group_size, bias,
+                                    gated=True, config=config, fuse_gate=True)
+    else:
+        fused = run(gate_up, qw, bias, config, gated=True)
     assert torch.equal(fused, run(silu_and_mul(gate_up), qw, bias, config))
+    assert torch.equal(fused, run(gate_up, qw, bias, config, gated=True))
     assert relative_error(fused, quantized_linear_reference(silu_and_mul(gate_up), qw, bias)) \
         < 1e-2
 
@@ -263,6 +268,7 @@ def test_bad_inputs_raise_naming_the_tensor() -> None:
         (r"group_size=16; allowed: .*>= 32", (x, q, s, z, 4, 16), {}),
         (r"scales: .* shape \(40, 2\).*expected a contiguous \(2, 40\).*repack_for_kernels",
          (x, q, qw.scales, z, 4, 32), {}),
+        (r"scales: None; expected a \(2, 40\) tensor", (x, q, None, z, 4, 32), {}),
         (r"zeros: torch\.float16 of shape \(2, 39\)", (x, q, s, z[:, :39], 4, 32), {}),
         (r"zeros: torch\.bfloat16; expected the scales' torch\.float16",
          (x, q, s, z.bfloat16(), 4, 32), {}),
