@@ -426,3 +426,19 @@ def repack_for_kernels(
         qweight = packed
     return (qweight, scales.t().contiguous(),
             None if zeros is None else zeros.t().contiguous())
+
+
+def unpack_from_kernels(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The inverse of ``repack_for_kernels``: the kernels' layout -> packing.py's."""
+    if bits == 4:
+        unpacked = torch.empty_like(qweight)
+        for start in range(0, qweight.shape[0], 4096):
+            rows = qweight[start:start + 4096]
+            slots = rows.reshape(rows.shape[0], -1, 16)  # [rows, K / 32, 16 bytes]
+            codes = torch.cat((slots & 0xF, slots >> 4), dim=-1)  # columns in order
+            unpacked[start:start + 4096] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).flatten(1)
+        qweight = unpacked
+    return (qweight, scales.t().contiguous(),
+            None if zeros is None else zeros.t().contiguous())
