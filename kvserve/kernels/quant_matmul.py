@@ -88,7 +88,9 @@ from kvserve.kernels.quant_matmul_kernels import (
 DTYPES = (torch.bfloat16, torch.float16)
 QUANT_BITS = (4, 8)
 SKINNY_MAX_M = 16  # up to this many rows: FMA (one row) or the 16-row dot tile
-DEQUANT_MIN_M = 4096  # from this many rows: dequantise, then cuBLAS (to tune on the GPU)
+# from this many rows: dequantise, then cuBLAS (on an H100 it beat the dot tiles at 256 rows and
+# up on Llama-3-8B's shapes, and lost below; docs/benchmarks.md)
+DEQUANT_MIN_M = 256
 DOT_BLOCK_M = 16  # tl.dot's smallest tile side: the skinny dot tile's rows
 PROGRAMS_PER_SM = 4  # skinny dot: thinner programs until this many per SM
 # every program recomputes the gate for its rows of x: ~10 instructions an activation, times
@@ -254,28 +256,37 @@ def _cap_block_k(block_k: int, k: int, minimum: int = 32) -> int:
 
 @functools.lru_cache(maxsize=256)
 def default_fma_config(bits: int, n: int, k: int) -> FmaConfig:
-    """One row: programs of 16 rows of W walking 512 packed bytes of each per
-    step (INT4 1,024 columns, INT8 512), 2 warps (8 rows a thread, so each
-    activation loaded and converted serves 8 weights), 3 stages. (An 8 KB tile
-    a stage, as the bf16 skinny GEMM's; the sm_90 SASS of this tile spends ~3.9
-    instructions a weight at INT4 g128 against ~4.4 with 4 rows a thread.)"""
-    return FmaConfig(16, _cap_block_k(1024 if bits == 4 else 512, k), 2, 3)
+    """One row, the fastest of ``benchmarks/quant_gemm.py --sweep`` on an H100
+    over Llama-3-8B's five shapes: INT4 programs of 16 rows of W walking 256
+    packed bytes (512 columns) a step, 2 warps, 4 stages; INT8 programs of 4
+    rows, 1,024 columns a step, 1 warp, 3 stages (1.1-1.4x the first
+    defaults; decision 0018)."""
+    if bits == 4:
+        return FmaConfig(16, _cap_block_k(512, k), 2, 4)
+    return FmaConfig(4, _cap_block_k(1024, k), 1, 3)
 
 
 @functools.lru_cache(maxsize=256)
 def default_dot_config(bits: int, m: int, n: int, k: int,
                        num_sms: int = DEFAULT_NUM_SMS) -> DotConfig:
-    """Decode batches (``m <= SKINNY_MAX_M``): one 16-row tile of x, ``block_n``
-    the largest of 64 / 32 / 16 that still gives ``PROGRAMS_PER_SM`` programs an
-    SM (a warp per 16 rows of W), 128 packed bytes a row per step, 4 stages.
+    """Decode batches (``m <= SKINNY_MAX_M``): one 16-row tile of x, a warp per
+    16 rows of W. INT8: ``block_n`` the largest of 64 / 32 / 16 that still
+    gives ``PROGRAMS_PER_SM`` programs an SM, then 64 columns a step over 6
+    stages (16 rows) or 128 over 4. INT4: 64 rows of W from N = 6,144 up, else
+    32, 256 columns a step, 4 stages (fewer, larger programs: its dequantisation
+    costs more than its loads). Both from the H100 sweep of decision 0018.
     More rows: 128 rows of W by 64 (``m <= 64``, 4 stages) or 128 rows of x
     (3 stages), 64 packed bytes a row per step, 8 warps, 8 m-tiles side by side."""
     if m <= SKINNY_MAX_M:
+        if bits == 4:
+            block_n = 64 if n >= 6144 else 32
+            return DotConfig(DOT_BLOCK_M, block_n, _cap_block_k(256, k), block_n // 16, 4)
         block_n = 64
         while block_n > 16 and triton.cdiv(n, block_n) < PROGRAMS_PER_SM * num_sms:
             block_n //= 2
-        block_k = _cap_block_k(256 if bits == 4 else 128, k)
-        return DotConfig(DOT_BLOCK_M, block_n, block_k, block_n // 16, 4)
+        if block_n == 16:
+            return DotConfig(DOT_BLOCK_M, 16, _cap_block_k(64, k), 1, 6)
+        return DotConfig(DOT_BLOCK_M, block_n, _cap_block_k(128, k), block_n // 16, 4)
     block_k = _cap_block_k(128 if bits == 4 else 64, k)
     if m <= 64:
         return DotConfig(64, 128, block_k, 8, 4)
