@@ -41,6 +41,7 @@ from kvserve.plan.counts import (
     Hardware,
     PlanError,
     PlanInputs,
+    check_tp,
 )
 from kvserve.plan.gpus import GPUS, GpuSpec, get_gpu
 from kvserve.plan.planner import compute_plan
@@ -195,10 +196,11 @@ def _resolve_gpu(name: str, weights: str) -> tuple[GpuSpec, dict[str, Any]]:
         if calibration is None:
             raise PlanError("--gpu", "'local' needs a calibration of this machine's card: run "
                                      "kvserve plan --calibrate first")
-        return calibration.as_gpu(), {"rates_source": calibration.source}
-    gpu = _table_gpu(name)
-    if calibration is None:
-        return gpu, {}
+        gpu = calibration.as_gpu()
+    else:
+        gpu = _table_gpu(name)
+        if calibration is None:
+            return gpu, {}
     matmul = calibration.matmul_tflop_s * gpu.tflops_for(weights) / gpu.bf16_tflops
     if weights == "fp8" and calibration.fp8_tflop_s is not None:
         matmul = calibration.fp8_tflop_s
@@ -241,6 +243,7 @@ def _build(args: argparse.Namespace) -> _Setup:
         spec_alpha=args.spec_alpha, spec_cost_ratio=args.spec_cost_ratio,
         memory_utilization=DEFAULT_MEMORY_UTILIZATION,
     )
+    check_tp(model, inputs.tp)
     hardware = Hardware.from_gpu(gpu, args.weights, args.bandwidth, args.flops, args.memory,
                                  **calibrated)
     return _Setup(model, gpu, hardware, inputs, constants_for(gpu.name))
@@ -346,7 +349,8 @@ def _print_plan(args: argparse.Namespace, setup: _Setup) -> int:
     plan = compute_plan(setup.model, setup.hardware, setup.inputs, setup.constants)
     points: list[Comparison] = []
     if args.sweep:
-        decodes, prefills = sweep_points(args, setup, setup.model.max_position_embeddings, 0)
+        decodes, prefills = sweep_points(args, setup, setup.model.max_position_embeddings,
+                                         args.measure_steps)
         points = predicted_points(setup, decodes, prefills)
     if args.json:
         out: dict[str, Any] = {**plan.to_dict(), "inputs": echo_inputs(args, setup)}
