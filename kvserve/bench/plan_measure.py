@@ -130,7 +130,9 @@ class PlanMeasurer:
         max_num_seqs = self.bench.config.scheduler_config.max_num_seqs
         if batch > max_num_seqs:
             return f"batch {batch} is more than the engine's max_num_seqs {max_num_seqs}"
-        per_request = -(-(context + self.steps // 2 + 2) // block) * block
+        # the first admitted requests run ahead of the mean by up to the admission's steps
+        most = context + self.steps // 2 + 2 + self._admission_steps(batch, context)
+        per_request = -(-most // block) * block
         needed, capacity = batch * per_request, self.kv_capacity_tokens
         if needed > capacity:
             return (f"does not fit: {batch} x {per_request:,} = {needed:,} tokens of KV, "
@@ -148,8 +150,7 @@ class PlanMeasurer:
     def decode(self, batch: int, context: int) -> DecodeMeasurement:
         """Time ``self.steps`` decode steps of ``batch`` requests at a mean
         context of ``context``; raises MeasurementError if what ran differs."""
-        chunk = self.bench.config.scheduler_config.max_num_batched_tokens
-        admission_steps = -(-batch * context // chunk)  # at most, each a token for the first
+        admission_steps = self._admission_steps(batch, context)
         prompt_len = context - (self.steps - 1) // 2 - MIN_WARMUP_STEPS - admission_steps
         if prompt_len < 1:
             raise PlanError("--context", f"{context} is too short to time {self.steps} decode "
@@ -167,6 +168,12 @@ class PlanMeasurer:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             self.engine.step()  # reports (and drops) a step still in flight
+
+    def _admission_steps(self, batch: int, context: int) -> int:
+        """At most how many steps prefilling ``batch`` prompts takes (each gives
+        the requests already started a token)."""
+        chunk = self.bench.config.scheduler_config.max_num_batched_tokens
+        return -(-batch * context // chunk)
 
     def _admit(self, tracked: _Tracked, prompt_len: int, admission_steps: int) -> None:
         for _ in range(4 * admission_steps + 64):

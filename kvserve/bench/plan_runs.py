@@ -89,6 +89,7 @@ def run_measure(args: argparse.Namespace, setup: _Setup) -> int:
         run = measurer.run_info()
         measured: dict[tuple[str, int, int], DecodeMeasurement | PrefillMeasurement] = {}
         skipped: dict[tuple[str, int, int], str] = {}
+        failed: dict[tuple[str, int, int], str] = {}
         for d in decodes:
             key = ("decode", d.batch, d.context)
             reason = measurer.decode_fits(d.batch, d.context)
@@ -97,16 +98,20 @@ def run_measure(args: argparse.Namespace, setup: _Setup) -> int:
                 continue
             print(f"kvserve plan: timing decode at batch {d.batch}, context {d.context}",
                   file=sys.stderr)
-            measured[key] = measurer.decode(d.batch, d.context)
+            try:
+                measured[key] = measurer.decode(d.batch, d.context)
+            except MeasurementError as e:  # reported with the point; the sweep goes on
+                skipped[key] = failed[key] = f"FAILED: {e}"
         for p in prefills:
             print(f"kvserve plan: timing the prefill of {p.prompt} tokens", file=sys.stderr)
-            measured[("prefill", 1, p.prompt)] = measurer.prefill(p.prompt)
+            key = ("prefill", 1, p.prompt)
+            try:
+                measured[key] = measurer.prefill(p.prompt)
+            except MeasurementError as e:
+                skipped[key] = failed[key] = f"FAILED: {e}"
     except PlanError as e:
         print(f"kvserve plan: error: {e}", file=sys.stderr)
         return 2
-    except MeasurementError as e:
-        print(f"kvserve plan: measurement failed: {e}", file=sys.stderr)
-        return 1
     points = predicted_points(setup, decodes, prefills, run, measured, skipped)
     print_measured(args, setup, points, run)
     if args.plot:
@@ -119,7 +124,9 @@ def run_measure(args: argparse.Namespace, setup: _Setup) -> int:
         from kvserve.bench.report import write_json
 
         write_json(args.output_json, measured_json(args, setup, points, run))
-    return 0
+    for reason in failed.values():
+        print(f"kvserve plan: measurement {reason}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _fit_gpu(echo: dict[str, Any]) -> GpuSpec:
