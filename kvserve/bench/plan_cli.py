@@ -47,7 +47,7 @@ from kvserve.plan.gpus import GPUS, GpuSpec, get_gpu
 from kvserve.plan.planner import compute_plan
 from kvserve.plan.plot import MissingMatplotlibError, require_matplotlib
 from kvserve.plan.report import SPEC_UPPER_BOUND_NOTE, format_comparisons, format_table
-from kvserve.plan.step_model import StepConstants, constants_for
+from kvserve.plan.step_model import CONSTANT_NAMES, StepConstants, constants_for
 
 DESCRIPTION = """\
 KV-cache size, what fits, and kvserve's decode step, prefill and throughput
@@ -164,6 +164,9 @@ def _configure_measure(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fit", metavar="SWEEP.json",
                        help="fit the step model's constants to a --measure --sweep --json "
                             "result and print them")
+    group.add_argument("--constants", metavar="FIT.json",
+                       help="predict with the constants of a --fit --json result instead of "
+                            "the card's (to check a fit on another model or shape)")
 
 
 def add_plan_parser(subparsers: Any) -> None:
@@ -246,7 +249,21 @@ def _build(args: argparse.Namespace) -> _Setup:
     check_tp(model, inputs.tp)
     hardware = Hardware.from_gpu(gpu, args.weights, args.bandwidth, args.flops, args.memory,
                                  **calibrated)
-    return _Setup(model, gpu, hardware, inputs, constants_for(gpu.name))
+    constants = (_load_constants(args.constants) if args.constants
+                 else constants_for(gpu.name))
+    return _Setup(model, gpu, hardware, inputs, constants)
+
+
+def _load_constants(path: str) -> StepConstants:
+    """The constants of a ``--fit --json`` result."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return StepConstants(**{name: float(data["constants"][name])
+                                for name in CONSTANT_NAMES},
+                             source=f"{data['source']} (from {path})")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PlanError("--constants", f"'{path}' is not the --json output of kvserve plan "
+                                       f"--fit: {e}") from e
 
 
 def _check_measurable(args: argparse.Namespace, inputs: PlanInputs) -> None:
@@ -351,7 +368,7 @@ def _print_plan(args: argparse.Namespace, setup: _Setup) -> int:
     if args.sweep:
         decodes, prefills = sweep_points(args, setup, setup.model.max_position_embeddings,
                                          args.measure_steps)
-        points = predicted_points(setup, decodes, prefills)
+        points = predicted_points(setup, decodes, prefills, skipped=_unfit(setup, decodes))
     if args.json:
         out: dict[str, Any] = {**plan.to_dict(), "inputs": echo_inputs(args, setup)}
         if args.sweep:
@@ -372,12 +389,24 @@ def _print_plan(args: argparse.Namespace, setup: _Setup) -> int:
     return 0
 
 
+def _unfit(setup: _Setup, decodes: list[PlanInputs]) -> dict[tuple[str, int, int], str]:
+    """The decode points whose weights and KV exceed the card's usable memory."""
+    unfit = {}
+    for d in decodes:
+        plan = compute_plan(setup.model, setup.hardware, d, setup.constants)
+        if not plan.fits:
+            unfit[("decode", d.batch, d.context)] = (
+                f"does not fit: weights + KV {(plan.weight_bytes + plan.kv_bytes_total) / 1e9:.1f}"
+                f" GB > {setup.hardware.memory_bytes * d.memory_utilization / 1e9:.1f} GB usable")
+    return unfit
+
+
 def format_predicted(points: list[Comparison]) -> str:
     """The sweep's predictions alone (no --measure)."""
-    lines = ["", "| kind | batch | context / prompt | predicted ms | roofline ms |",
-             "|---|---|---|---|---|"]
+    lines = ["", "| kind | batch | context / prompt | predicted ms | roofline ms | |",
+             "|---|---|---|---|---|---|"]
     lines += [f"| {p.kind} | {p.batch:,} | {p.context:,} | {p.predicted_ms:.2f} | "
-              f"{p.roofline_ms:.2f} |" for p in points]
+              f"{p.roofline_ms:.2f} | {p.skipped or ''} |" for p in points]
     return "\n".join(lines)
 
 

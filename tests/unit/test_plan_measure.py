@@ -126,14 +126,22 @@ def test_a_smaller_timed_batch_fails_the_measurement(
 
 
 @pytest.mark.slow
-def test_fit_reads_a_measured_sweep(sweep: dict[str, Any],
+def test_fit_reads_a_measured_sweep(sweep: dict[str, Any], tmp_path: Path,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--fit", sweep["path"]]) == 0
     out = capsys.readouterr().out
     assert "worst |error|" in out and '"h100-sxm": StepConstants(' in out
     assert main(["--fit", sweep["path"], "--json"]) == 0
-    fitted = json.loads(capsys.readouterr().out)
+    text = capsys.readouterr().out
+    fitted = json.loads(text)
     assert fitted["worst_error_after"] <= fitted["worst_error_before"]
+    fit_path = tmp_path / "fit.json"
+    fit_path.write_text(text)
+    assert main(["--model", "llama-3-8b", "--gpu", "h100", "--constants", str(fit_path),
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["inputs"]["constants"] == pytest.approx(fitted["constants"])
+    assert str(fit_path) in plan["constants_source"]
 
 
 @pytest.mark.slow
