@@ -3,7 +3,9 @@ run: the device-to-device copy rate (bytes read + written per second, the
 practical ceiling for MBU) and the matmul rate of a square product in the
 dtype the model runs in (bf16 for the GPU figures; the practical ceiling
 for MFU). They run on CUDA or on the CPU; the CPU uses smaller sizes so the
-measurement takes a second, not minutes. ``graph_call_us`` times one kernel
+measurement takes a second, not minutes. ``fp8_matmul_tflop_s`` measures the
+FP8 rate of a CUDA card that has one (``kvserve plan --calibrate``).
+``graph_call_us`` times one kernel
 call inside a CUDA graph, as a decode step replays it (the kernel benchmarks
 under ``benchmarks/`` use it).
 """
