@@ -184,13 +184,16 @@ class PlanMeasurer:
                                f"{4 * admission_steps + 64} steps")
 
     def _warm(self, tracked: _Tracked, batch: int, first_context: float) -> None:
-        """Full decode steps until the next step's mean context is ``first_context``."""
-        warm = 0
-        while warm < MIN_WARMUP_STEPS or tracked.mean_context < first_context - 0.5:
+        """Decode until ``MIN_WARMUP_STEPS`` steps in a row gave the whole batch a
+        token and the next step's mean context is ``first_context``."""
+        full = 0
+        for _ in range(MIN_WARMUP_STEPS + int(first_context) + 64):
+            if full >= MIN_WARMUP_STEPS and tracked.mean_context >= first_context - 0.5:
+                return
             got, _, odd = tracked.record(self.engine.step())
-            if got != batch or odd:
-                raise MeasurementError(f"a warm-up step decoded {got} of {batch} requests")
-            warm += 1
+            full = full + 1 if got == batch and not odd else 0
+        raise MeasurementError(f"the {batch} requests never decoded together for "
+                               f"{MIN_WARMUP_STEPS} steps in a row before the timed ones")
 
     def _timed(self, tracked: _Tracked, batch: int, context: int) -> DecodeMeasurement:
         before = self._stats()

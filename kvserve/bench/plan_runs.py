@@ -152,8 +152,10 @@ def run_fit(args: argparse.Namespace) -> int:
     given = {name: echo["constants"][name] for name in CONSTANT_NAMES}
     start = StepConstants(**given, source="the sweep's")
     base = PlanInputs(tp=echo["tp"], weights=echo["weights"], kv_dtype=echo["kv_dtype"])
+    # the host's busy time is its own work only where it overlaps the device (CUDA)
+    overlapped = run.get("device") == "cuda"
     decodes = [DecodeSample(p["batch"], p["context"], p["measured_ms"],
-                            p["measured"]["host_busy_ms_per_step"])
+                            p["measured"]["host_busy_ms_per_step"] if overlapped else None)
                for p in points if p["kind"] == "decode" and p["measured_ms"] is not None]
     prefills = [PrefillSample(p["context"], p["measured_ms"])
                 for p in points if p["kind"] == "prefill" and p["measured_ms"] is not None]
@@ -168,6 +170,7 @@ def run_fit(args: argparse.Namespace) -> int:
                           "source": result.constants.source,
                           "worst_error_before": result.worst_before,
                           "worst_error_after": result.worst_after,
+                          "cost_before": result.cost_before, "cost_after": result.cost_after,
                           "errors": result.errors}, indent=2))
     else:
         print(format_fit(result, gpu.name))

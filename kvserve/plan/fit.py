@@ -6,7 +6,8 @@ card (and the copy and matmul rates measured in it), find the
 was measured: least squares of log(predicted / measured) over every point,
 by Nelder–Mead over the free constants (each kept in its bounds). The
 host's constants come first, by linear least squares of the host's busy
-time per step against the batch. The result is printed as a table entry to
+time per step against the batch, where the sweep measured it overlapped
+(async scheduling, on CUDA). The result is printed as a table entry to
 paste into ``step_model.STEP_CONSTANTS`` (docs/plan.md says how).
 
 Pure arithmetic: no torch, no I/O.
@@ -65,6 +66,8 @@ class FitResult:
     constants: StepConstants
     worst_before: float  # largest |predicted / measured - 1| with the given constants
     worst_after: float
+    cost_before: float  # sum of log(predicted / measured)^2, the fit's objective
+    cost_after: float
     errors: list[tuple[str, int, int, float]]  # (kind, batch, context or prompt, error)
 
 
@@ -165,7 +168,9 @@ def fit_constants(model: ModelConfig, hardware: Hardware, base: PlanInputs,
     edges = [0.1 * (BOUNDS[n][1] - BOUNDS[n][0]) for n in names]
     best = nelder_mead(lambda x: cost(constants(x)), x0, edges)
     best = nelder_mead(lambda x: cost(constants(x)), best, [e / 4 for e in edges])
-    fitted = dataclasses.replace(constants(best), source=source)
+    # the host's regression can leave the search worse off than the constants given
+    fitted = min(constants(best), given, key=cost)
+    fitted = dataclasses.replace(fitted, source=source)
 
     def errors(k: StepConstants) -> list[tuple[str, int, int, float]]:
         return [(kind, b, c, pred / got - 1)
@@ -174,7 +179,7 @@ def fit_constants(model: ModelConfig, hardware: Hardware, base: PlanInputs,
 
     before, after = errors(given), errors(fitted)
     return FitResult(fitted, max(abs(e[3]) for e in before), max(abs(e[3]) for e in after),
-                     after)
+                     cost(given), cost(fitted), after)
 
 
 def constants_literal(name: str, k: StepConstants) -> str:

@@ -168,7 +168,8 @@ def format_comparisons(points: list[Comparison], run: RunInfo) -> str:
 def format_fit(result: FitResult, gpu_name: str) -> str:
     """A fit's constants as a ``STEP_CONSTANTS`` entry, and the errors left."""
     lines = [f"worst |error| with the constants given: {result.worst_before:.1%}; "
-             f"fitted: {result.worst_after:.1%}", ""]
+             f"fitted: {result.worst_after:.1%} (sum of squared log errors "
+             f"{result.cost_before:.4f} -> {result.cost_after:.4f})", ""]
     lines += [f"  {kind:<8} batch {batch:>4}  {'context' if kind == 'decode' else 'prompt '} "
               f"{size:>6}  {error:+.1%}" for kind, batch, size, error in result.errors]
     lines += ["", "# paste into STEP_CONSTANTS in kvserve/plan/step_model.py:",
