@@ -125,8 +125,8 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench import add_bench_parser
+    from kvserve.bench.plan_cli import add_plan_parser
     from kvserve.engine.args import EngineArgs
-    from kvserve.plan.cli import add_plan_parser
     from kvserve.server.launcher import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)

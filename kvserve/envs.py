@@ -12,12 +12,14 @@ secrets (so keys stay out of ``ps``) and for test-only hooks:
   (every forward sleeps X seconds first, to keep requests in flight). Read
   by ``kvserve serve`` at start-up and applied by wrapping the executor's
   ``execute_model`` (``kvserve/server/faults.py``).
+- ``XDG_CACHE_HOME``: where the user's cache lives (``user_cache_dir``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 FAULT_INJECT_VAR = "KVSERVE_FAULT_INJECT"
 
@@ -85,3 +87,10 @@ def kvserve_api_keys() -> list[str]:
 def openai_api_key() -> str | None:
     """``OPENAI_API_KEY``, the key ``kvserve bench serve`` sends by default."""
     return os.environ.get("OPENAI_API_KEY") or None
+
+
+def user_cache_dir() -> Path:
+    """Where kvserve caches what it measured (``kvserve plan --calibrate``):
+    ``$XDG_CACHE_HOME/kvserve``, by default ``~/.cache/kvserve``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvserve"

@@ -3,7 +3,9 @@ run: the device-to-device copy rate (bytes read + written per second, the
 practical ceiling for MBU) and the matmul rate of a square product in the
 dtype the model runs in (bf16 for the GPU figures; the practical ceiling
 for MFU). They run on CUDA or on the CPU; the CPU uses smaller sizes so the
-measurement takes a second, not minutes. ``graph_call_us`` times one kernel
+measurement takes a second, not minutes. ``fp8_matmul_tflop_s`` measures the
+FP8 rate of a CUDA card that has one (``kvserve plan --calibrate``).
+``graph_call_us`` times one kernel
 call inside a CUDA graph, as a decode step replays it (the kernel benchmarks
 under ``benchmarks/`` use it).
 """
@@ -15,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
+
+from kvserve.plan.gpus import gpu_for_device_name
 
 if TYPE_CHECKING:
     import torch
@@ -94,6 +98,33 @@ def matmul_tflop_s(size: int | None = None, iters: int = 10, device: str | torch
     return 2 * size**3 * iters / (time.perf_counter() - start) / 1e12
 
 
+def fp8_matmul_tflop_s(size: int = 8192, iters: int = 10) -> float | None:
+    """Square ``size``^3 FP8 (e4m3) matmul rate through ``torch._scaled_mm`` on the
+    current CUDA card, TFLOP/s; None where the card or torch has no FP8 matmul."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        return None
+    device = torch.device("cuda")
+    a = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device=device).to(torch.float8_e4m3fn).t()  # column-major
+    scale = torch.ones((), device=device)
+
+    def product() -> object:
+        return torch._scaled_mm(a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16)
+
+    try:
+        product()
+    except (RuntimeError, AttributeError):
+        return None
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        product()
+    _sync(device)
+    return 2 * size**3 * iters / (time.perf_counter() - start) / 1e12
+
+
 @dataclass(frozen=True)
 class DeviceRates:
     """What one run measured on its device, and the card's spec-sheet bandwidth
@@ -121,8 +152,6 @@ def device_name(device: torch.device) -> str:
 def measure_rates(device: str | torch.device, dtype: torch.dtype) -> DeviceRates:
     """Both rates on ``device`` (the matmul in ``dtype``), then free what they used."""
     import torch
-
-    from kvserve.plan.gpus import gpu_for_device_name  # kvserve.plan imports this module
 
     device = torch.device(device)
     copy_gb_s = copy_rate_gb_s(device=device)

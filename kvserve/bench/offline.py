@@ -20,13 +20,9 @@ from kvserve.bench.device_rates import DeviceRates, measure_rates
 from kvserve.bench.report import environment
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.engine.args import EngineArgs
-from kvserve.plan.planner import (
-    KV_DTYPE_BYTES,
-    PlanInputs,
-    count_params,
-    kv_bytes_per_token,
-    weight_read_bytes,
-)
+from kvserve.param_count import count_params
+from kvserve.plan.counts import KV_DTYPE_BYTES, PlanInputs, kv_bytes_per_token, weight_read_bytes
+from kvserve.plan.utilization import mbu, mfu
 
 if TYPE_CHECKING:
     from kvserve.engine.llm import LLM
@@ -63,13 +59,13 @@ class ModelFigures:
 
     def mbu(self, batch_size: int, mean_context: float, decode_tok_s: float,
             bandwidth_gb_s: float) -> float:
-        """Decode step bytes x steps/s (decode tok/s / batch) / bandwidth."""
-        steps_s = decode_tok_s / batch_size
-        return self.decode_step_bytes(batch_size, mean_context) * steps_s / (bandwidth_gb_s * 1e9)
+        """``utilization.mbu`` of decode steps at ``decode_tok_s`` / batch steps/s."""
+        return mbu(self.decode_step_bytes(batch_size, mean_context),
+                   batch_size / decode_tok_s, bandwidth_gb_s * 1e9)
 
     def mfu(self, tokens_s: float, tflop_s: float) -> float:
-        """2 x parameters x tokens/s / matmul rate."""
-        return 2 * self.params * tokens_s / (tflop_s * 1e12)
+        """``utilization.mfu`` against a matmul rate in TFLOP/s."""
+        return mfu(self.params, tokens_s, tflop_s * 1e12)
 
 
 def mean_decode_context(input_len: int, output_len: int) -> float:

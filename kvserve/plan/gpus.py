@@ -1,9 +1,12 @@
-"""The GPU table of ``kvserve plan``: memory, bandwidth and peak tensor rates.
+"""The GPU table of ``kvserve plan``: spec sheets and measured rates.
 
 Owns the spec-sheet numbers of a few common GPUs (dense rates, never the
-2:4-sparsity figures vendors print beside them) and their lookup by name.
-Pure data: no torch, no device queries — `plan` runs on any machine; a
-benchmark that queried its card's name looks the card up here.
+2:4-sparsity figures vendors print beside them), the rates measured on the
+cards kvserve has run on (the device-to-device copy and the dense matmul
+rates that every MBU / MFU figure and the step model are taken against),
+and their lookup by name. Pure data: no torch, no device queries — ``plan``
+runs on any machine; a benchmark that queried its card's name looks the
+card up here.
 """
 
 from __future__ import annotations
@@ -67,6 +70,55 @@ ALIASES: dict[str, str] = {
     "4090": "rtx-4090",
     "3080": "rtx-3080",
 }
+
+
+@dataclass(frozen=True)
+class CardRates:
+    """What a card sustains in practice, measured: the device-to-device copy
+    (bytes read + written per second, decimal GB/s) and dense square matmul
+    rates in TFLOP/s (8192³; FP8 through ``torch._scaled_mm``). ``source``
+    says which run measured them."""
+
+    copy_gb_s: float
+    bf16_tflop_s: float
+    fp8_tflop_s: float | None
+    source: str
+
+    def tflops_for(self, weights: str, spec: GpuSpec | None) -> float:
+        """The measured matmul rate for ``weights``. An FP8 or INT8 rate that
+        was not measured is the bf16 one scaled by the spec sheet's ratio."""
+        if weights == "fp8" and self.fp8_tflop_s is not None:
+            return self.fp8_tflop_s
+        if spec is None:
+            return self.bf16_tflop_s
+        return self.bf16_tflop_s * spec.tflops_for(weights) / spec.bf16_tflops
+
+
+# measured / spec-sheet shares on the two measured cards (H100 3,006 / 3,350 and
+# H200 4,257 / 4,800 GB/s; 785 and 779 / 989 TFLOP/s), used for cards not measured
+COPY_SHARE_OF_SPEC = 0.89
+MATMUL_SHARE_OF_SPEC = 0.79
+
+MEASURED_RATES: dict[str, CardRates] = {
+    "h100-sxm": CardRates(
+        3006, 785, 1395,
+        "NVIDIA H100 80GB HBM3, 2026-11-26 (../shared/BENCHMARKS.md: peers/gpu_peers.py; "
+        "FP8 torch._scaled_mm 8192³ in a later call)"),
+    "h200": CardRates(
+        4257, 779, None,
+        "NVIDIA H200, 2026-11-26 (../shared/BENCHMARKS.md: peers/gpu_peers.py; FP8 not "
+        "measured: bf16 x the spec sheet's FP8/bf16 ratio)"),
+}
+
+
+def rates_for(gpu: GpuSpec) -> CardRates:
+    """The measured rates of ``gpu``, or estimates from its spec sheet."""
+    if gpu.name in MEASURED_RATES:
+        return MEASURED_RATES[gpu.name]
+    return CardRates(
+        gpu.bandwidth_gb_s * COPY_SHARE_OF_SPEC, gpu.bf16_tflops * MATMUL_SHARE_OF_SPEC, None,
+        f"not measured: {COPY_SHARE_OF_SPEC:.0%} of the spec sheet's bandwidth and "
+        f"{MATMUL_SHARE_OF_SPEC:.0%} of its bf16 rate (the shares measured on H100 and H200)")
 
 
 def get_gpu(name: str) -> GpuSpec:

@@ -1,9 +1,10 @@
-"""``kvserve plan --plot``: the roofline and a batch sweep as one PNG.
+"""``kvserve plan --plot``: the roofline and a batch sweep as one PNG, or with
+``--measure --sweep`` the sweep's predictions against its measurements.
 
-Owns the drawing only; every number comes from ``planner.py``. matplotlib is
-an optional extra (``kvserve[plot]``, docs/decisions/0002) imported here and
-only when a plot is asked for, through the object API (no pyplot, no global
-backend state).
+Owns the drawing only; every number comes from ``planner.py`` or the
+comparison records of ``compare.py``. matplotlib is an optional extra
+(``kvserve[plot]``, docs/decisions/0002) imported here and only when a plot
+is asked for, through the object API (no pyplot, no global backend state).
 """
 
 from __future__ import annotations
@@ -13,13 +14,10 @@ import importlib.util
 from typing import Any
 
 from kvserve.config import ModelConfig
-from kvserve.plan.planner import (
-    Hardware,
-    PlanInputs,
-    compute_plan,
-    decode_cost,
-    prefill_cost,
-)
+from kvserve.plan.compare import Comparison
+from kvserve.plan.counts import Hardware, PlanInputs, decode_cost, prefill_cost
+from kvserve.plan.planner import compute_plan
+from kvserve.plan.step_model import StepConstants
 
 MAX_SWEEP_BATCH = 4096
 
@@ -71,12 +69,15 @@ def _draw_roofline(ax: Any, model: ModelConfig, hardware: Hardware, inputs: Plan
 
 
 def _draw_batch_sweep(ax: Any, model: ModelConfig, hardware: Hardware,
-                      inputs: PlanInputs, max_batch: int) -> None:
+                      inputs: PlanInputs, max_batch: int, constants: StepConstants | None
+                      ) -> None:
     batches = _sweep_batches(inputs.batch, max_batch)
-    plans = [compute_plan(model, hardware, dataclasses.replace(inputs, batch=b))
+    plans = [compute_plan(model, hardware, dataclasses.replace(inputs, batch=b), constants)
              for b in batches]
     ax.plot(batches, [p.decode_ms_per_step for p in plans], "o-", color="tab:blue",
-            label="ms per decode step")
+            label="ms per decode step (predicted)")
+    ax.plot(batches, [p.roofline_decode_ms_per_step for p in plans], ":", color="tab:blue",
+            label="roofline bound")
     ax.set_xscale("log", base=2)
     ticks = [b for b in batches if b & (b - 1) == 0]
     ax.set_xticks(ticks, [str(b) for b in ticks])
@@ -98,15 +99,120 @@ def _draw_batch_sweep(ax: Any, model: ModelConfig, hardware: Hardware,
 
 
 def write_plot(path: str, model: ModelConfig, hardware: Hardware, inputs: PlanInputs,
-               title: str) -> None:
+               title: str, constants: StepConstants | None = None) -> None:
     """Draw both panels and save them to ``path`` (format from its suffix)."""
     require_matplotlib()
     from matplotlib.figure import Figure
 
-    plan = compute_plan(model, hardware, inputs)
+    plan = compute_plan(model, hardware, inputs, constants)
     fig = Figure(figsize=(13, 5.5), layout="constrained")
     roofline_ax, sweep_ax = fig.subplots(1, 2)
     _draw_roofline(roofline_ax, model, hardware, inputs)
-    _draw_batch_sweep(sweep_ax, model, hardware, inputs, plan.max_batch_at_context)
+    _draw_batch_sweep(sweep_ax, model, hardware, inputs, plan.max_batch_at_context, constants)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+
+
+def _measured(points: list[Comparison]) -> list[Comparison]:
+    return [p for p in points if p.measured is not None and p.measured_ms is not None]
+
+
+def _spread(point: Comparison) -> tuple[float, float]:
+    """(below, above) the median: the p10-p90 error bar of a measured point."""
+    assert point.measured is not None and point.measured_ms is not None
+    spread = point.measured["step" if point.kind == "decode" else "ttft"]
+    return point.measured_ms - spread["p10"], spread["p90"] - point.measured_ms
+
+
+def _draw_decode(ax: Any, points: list[Comparison]) -> None:
+    decode = [p for p in points if p.kind == "decode"]
+    for i, context in enumerate(sorted({p.context for p in decode})):
+        color = f"C{i}"
+        row = sorted((p for p in decode if p.context == context), key=lambda p: p.batch)
+        ax.plot([p.batch for p in row], [p.predicted_ms for p in row], "--", color=color,
+                label=f"predicted, context {context:,}")
+        done = _measured(row)
+        if done:
+            below, above = zip(*(_spread(p) for p in done))
+            ax.errorbar([p.batch for p in done], [p.measured_ms for p in done],
+                        yerr=[below, above], fmt="o", color=color,
+                        label=f"measured (p10-p90), context {context:,}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title("decode step")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="x-small")
+
+
+def _draw_prefill(ax: Any, points: list[Comparison]) -> None:
+    prefill = sorted((p for p in points if p.kind == "prefill"), key=lambda p: p.context)
+    ax.plot([p.context for p in prefill], [p.predicted_ms for p in prefill], "--",
+            color="tab:red", label="predicted")
+    done = _measured(prefill)
+    if done:
+        below, above = zip(*(_spread(p) for p in done))
+        ax.errorbar([p.context for p in done], [p.measured_ms for p in done],
+                    yerr=[below, above], fmt="o", color="tab:red", label="measured (p10-p90)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("ms to first token")
+    ax.set_title("prefill")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="x-small")
+
+
+def _draw_agreement(ax: Any, points: list[Comparison]) -> None:
+    done = _measured(points)
+    for kind, color, band in (("decode", "tab:blue", 0.10), ("prefill", "tab:red", 0.15)):
+        mine = [p for p in done if p.kind == kind]
+        if mine:
+            ax.scatter([p.measured_ms for p in mine], [p.predicted_ms for p in mine], color=color,
+                       label=f"{kind} (target within {band:.0%})")
+    values = [v for p in done for v in (p.measured_ms, p.predicted_ms) if v]
+    if values:
+        low, high = min(values) / 1.5, max(values) * 1.5
+        ax.plot([low, high], [low, high], color="black", linewidth=0.8)
+        ax.fill_between([low, high], [low * 0.9, high * 0.9], [low * 1.1, high * 1.1],
+                        color="gray", alpha=0.2, label="±10%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured ms")
+    ax.set_ylabel("predicted ms")
+    ax.set_title("predicted against measured")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="x-small")
+
+
+def _draw_utilization(ax: Any, points: list[Comparison]) -> None:
+    done = _measured(points)
+    labels = [f"d {p.batch}x{p.context}" if p.kind == "decode" else f"p {p.context}"
+              for p in done]
+    xs = range(len(done))
+    ax.bar([x - 0.2 for x in xs], [100 * (p.mbu or 0) for p in done], width=0.4,
+           color="tab:blue", label="MBU % of copy")
+    ax.bar([x + 0.2 for x in xs], [100 * (p.mfu or 0) for p in done], width=0.4,
+           color="tab:green", label="MFU % of matmul")
+    ax.axhline(100, color="black", linewidth=0.8)
+    ax.set_xticks(list(xs), labels, rotation=60, fontsize="x-small")
+    ax.set_ylabel("% of the rate measured in the run")
+    ax.set_title("MBU and MFU per point")
+    ax.legend(fontsize="x-small")
+
+
+def write_sweep_plot(path: str, points: list[Comparison], title: str) -> None:
+    """A measured sweep: decode and prefill against their predictions, the
+    agreement of every point, and each point's MBU and MFU."""
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(14, 10), layout="constrained")
+    (decode_ax, prefill_ax), (agreement_ax, utilization_ax) = fig.subplots(2, 2)
+    _draw_decode(decode_ax, points)
+    _draw_prefill(prefill_ax, points)
+    _draw_agreement(agreement_ax, points)
+    _draw_utilization(utilization_ax, points)
     fig.suptitle(title)
     fig.savefig(path, dpi=110)

@@ -36,7 +36,7 @@ def check_weights_fit(
     """Fail before loading when the weights alone exceed the memory budget."""
     if device.type != "cuda":
         return
-    from kvserve.plan.planner import count_params
+    from kvserve.param_count import count_params
 
     element_bytes = torch.empty((), dtype=dtype).element_size()
     params = count_params(model_config)

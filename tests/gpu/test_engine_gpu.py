@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.plan.cli import main as plan_main
+from kvserve.bench.plan_cli import main as plan_main
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,13 +43,17 @@ def test_greedy_matches_transformers_on_cuda(
         assert output.outputs[0].token_ids == hf[0, len(prompt):].tolist(), variant
 
 
-def test_plan_measure_reports_both(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = plan_main(["--model", "qwen2.5-0.5b", "--gpu", "h100-sxm", "--batch", "4",
-                    "--context", "256", "--prompt", "256", "--output", "16", "--measure",
-                    "--json"])
+def test_plan_measure_times_the_whole_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 29: at batch 128 the old --measure timed a smaller batch (MBU 133%)."""
+    rc = plan_main(["--model", "qwen2.5-0.5b", "--gpu", "h100-sxm", "--batch", "128",
+                    "--context", "1024", "--prompt", "512", "--measure", "--json"])
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
-    measured = result["measured"]
-    for key in ("decode_ms_per_step", "decode_tokens_per_s", "prefill_ms", "mbu", "mfu_decode"):
-        assert measured[key] > 0, key
-    assert measured["card"]
+    decode, prefill = result["measured"]
+    assert decode["kind"] == "decode" and prefill["kind"] == "prefill"
+    timed = decode["measured"]
+    assert timed["batch_timed_min"] == timed["batch_timed_max"] == 128
+    assert abs(timed["mean_context_timed"] - 1024) <= 1
+    assert 0 < decode["mbu"] <= 1.0, decode["mbu"]
+    assert prefill["measured"]["prompt"] == 512 and prefill["measured_ms"] > 0
+    assert result["run"]["card"]

@@ -13,28 +13,29 @@ from typing import Any
 
 import pytest
 
+from kvserve.bench.plan_cli import add_plan_parser, main
 from kvserve.config import ModelConfig
 from kvserve.models.presets import get_preset
+from kvserve.param_count import count_params
+from kvserve.plan import fit, step_model
 from kvserve.plan import plot as plot_module
-from kvserve.plan.cli import add_plan_parser, main
-from kvserve.plan.gpus import GPUS, get_gpu
-from kvserve.plan.planner import (
-    Hardware,
-    PlanError,
-    PlanInputs,
-    compute_plan,
-    count_params,
-    decode_cost,
-    weight_bytes,
-)
+from kvserve.plan.counts import Hardware, PlanError, PlanInputs, decode_cost, weight_bytes
+from kvserve.plan.gpus import COPY_SHARE_OF_SPEC, GPUS, get_gpu
+from kvserve.plan.planner import compute_plan
+from kvserve.plan.utilization import mbu, mfu
 
 PLAN_KEYS = {
     "params", "weight_bytes", "kv_bytes_per_token", "kv_bytes_per_request", "kv_bytes_total",
     "fits", "max_batch_at_context", "max_context_at_batch", "decode_ms_per_step",
     "decode_tokens_per_s", "decode_tokens_per_s_per_request", "prefill_ms",
-    "arithmetic_intensity_decode", "ridge_point", "bound", "e2e_ms",
-    "spec_tokens_per_step", "spec_speedup",
+    "roofline_decode_ms_per_step", "roofline_prefill_ms", "decode_breakdown_ms",
+    "prefill_breakdown_ms", "arithmetic_intensity_decode", "ridge_point", "bound", "e2e_ms",
+    "copy_gb_s", "matmul_tflop_s", "rates_source", "constants_source",
+    "spec_tokens_per_step", "spec_speedup", "spec_tokens_per_step_iid", "spec_speedup_iid",
+    "notes",
 }
+SPEC_KEYS = {"spec_tokens_per_step", "spec_speedup", "spec_tokens_per_step_iid",
+             "spec_speedup_iid"}
 
 
 def _model(name: str) -> ModelConfig:
@@ -186,7 +187,8 @@ def test_e2e_is_prefill_plus_output_steps() -> None:
     plan = _plan("llama-3-8b", prompt=2048, output=100, context=2148)
     assert plan.e2e_ms == pytest.approx(plan.prefill_ms + 100 * plan.decode_ms_per_step)
     # a 2048-token prefill on an H100 is compute-bound: 2 x params x tokens / peak
-    assert plan.prefill_ms == pytest.approx(2 * 8.03e9 * 2048 / 989e12 * 1e3, rel=0.1)
+    assert plan.roofline_prefill_ms == pytest.approx(2 * 8.03e9 * 2048 / 989e12 * 1e3, rel=0.1)
+    assert plan.prefill_ms > plan.roofline_prefill_ms  # the engine never beats the bound
 
 
 # -- the command --------------------------------------------------------------------------
@@ -210,14 +212,18 @@ def test_table_shows_every_key(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     rc, out, _ = _run(["--model", str(model_dir), "--gpu", "rtx-4090", "--context", "4096",
                        "--kv-dtype", "fp16"], capsys)
     assert rc == 0
-    for key in PLAN_KEYS - {"spec_tokens_per_step", "spec_speedup"}:
+    shown_otherwise = {"decode_breakdown_ms", "prefill_breakdown_ms", "copy_gb_s",
+                       "matmul_tflop_s", "rates_source", "constants_source", "notes"}
+    for key in PLAN_KEYS - SPEC_KEYS - shown_otherwise:
         assert key in out
+    assert "device parts" in out and "prefill parts" in out
+    assert "predicted at copy" in out and "step model constants" in out
     assert "2,147,483,648 B" in out
 
 
-def test_module_runs_as_a_script() -> None:
+def test_runs_as_a_kvserve_subcommand() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvserve.plan", "--model", "llama-3-8b", "--gpu", "h100",
+        [sys.executable, "-m", "kvserve.cli", "plan", "--model", "llama-3-8b", "--gpu", "h100",
          "--json"], capture_output=True, text=True, check=False, timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -225,7 +231,7 @@ def test_module_runs_as_a_script() -> None:
 
 
 def test_mounting_the_command_imports_neither_torch_nor_matplotlib() -> None:
-    code = ("import sys, argparse, kvserve.plan.cli as c; "
+    code = ("import sys, argparse, kvserve.bench.plan_cli as c; "
             "c.add_plan_parser(argparse.ArgumentParser().add_subparsers()); "
             "print(sorted({'torch', 'matplotlib'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -261,13 +267,14 @@ def test_plot_without_matplotlib_says_how_to_install(
     assert "pip install matplotlib" in err
 
 
-def test_measure_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+def test_measure_on_cuda_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present")
-    rc, out, err = _run(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--measure"], capsys)
+    rc, out, err = _run(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--measure",
+                         "--device", "cuda"], capsys)
     assert rc == 2
-    assert "needs a CUDA GPU" in err
+    assert "--device" in err and "no CUDA device" in err
     assert out == ""
 
 
@@ -314,3 +321,184 @@ def test_plan_inputs_validate_without_the_cli() -> None:
         PlanInputs(spec_alpha=0.5, spec_cost_ratio=0.1)
     inputs = PlanInputs()
     assert dataclasses.replace(inputs, batch=4).batch == 4
+
+
+# -- tensor parallelism and speculative labels (issue 27) ---------------------------------
+
+
+def test_tp_that_cannot_split_the_heads_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(["--model", "llama-3-8b", "--gpu", "h100", "--tp", "3"], capsys)
+    assert rc == 2 and out == ""
+    assert "--tp: 3 does not divide the model's 32 attention heads" in err
+    assert "8 KV heads" in err
+    assert "1, 2, 4, 8, 16, 32" in err  # what this model can use
+    with pytest.raises(PlanError, match="--tp"):
+        compute_plan(_model("llama-3-8b"), Hardware.from_gpu(get_gpu("h100")), PlanInputs(tp=3))
+    # tp a multiple of the KV heads replicates them: allowed
+    assert _plan("llama-3-8b", tp=16).kv_bytes_per_token == _plan("llama-3-8b", tp=8)\
+        .kv_bytes_per_token
+
+
+def test_speculative_figures_are_labelled_upper_bounds(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = _run(["--model", "llama-3-8b", "--gpu", "h100", "--spec-k", "4",
+                       "--spec-alpha", "0.8", "--spec-cost-ratio", "0.11"], capsys)
+    assert rc == 0
+    assert "<= 4.20" in out and "upper bound" in out
+    assert "3.36" in out  # the i.i.d. expectation, (1 - 0.8^5) / (1 - 0.8)
+    plan = _plan("llama-3-8b", spec_k=4, spec_alpha=0.8, spec_cost_ratio=0.11)
+    assert plan.spec_tokens_per_step_iid == pytest.approx(3.3616, rel=1e-4)
+    assert plan.spec_speedup_iid == pytest.approx(3.3616 / 1.44, rel=1e-4)
+    help_text = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "plan", "--help"], capture_output=True,
+        text=True, check=True, timeout=120).stdout
+    assert "upper bound" in help_text
+
+
+# -- the step model -----------------------------------------------------------------------
+
+
+def test_prediction_never_beats_the_roofline_and_grows_with_the_work() -> None:
+    for context in (512, 2048, 8192):
+        steps = [_plan("llama-3-8b", batch=b, context=context) for b in (1, 8, 32, 128, 256)]
+        for plan in steps:
+            assert plan.decode_ms_per_step > plan.roofline_decode_ms_per_step
+        assert [p.decode_ms_per_step for p in steps] == sorted(p.decode_ms_per_step
+                                                               for p in steps)
+    prefills = [_plan("llama-3-8b", prompt=p) for p in (128, 512, 2048, 8192, 16384)]
+    for plan in prefills:
+        assert plan.prefill_ms > plan.roofline_prefill_ms
+    assert [p.prefill_ms for p in prefills] == sorted(p.prefill_ms for p in prefills)
+
+
+def test_decode_step_by_hand_at_batch_1() -> None:
+    """At batch 1 the GEMMs stream every weight at the skinny kernel's share of
+    the copy rate (their FLOPs add a little through the p-norm)."""
+    model = _model("llama-3-8b")
+    hardware = Hardware.from_gpu(get_gpu("h100"))
+    k = step_model.constants_for("h100-sxm")
+    inputs = PlanInputs(batch=1, context=1024)
+    step = step_model.decode_step(model, inputs, hardware, k)
+    weights = (count_params(model).total - 128256 * 4096) * 2  # the untied embedding is a gather
+    memory_s = weights / (k.gemm_bandwidth_share * 3006e9)
+    assert step.gemm_s == pytest.approx(memory_s, rel=0.01)
+    assert step.gemm_s >= memory_s
+    kv = 131072 * 1024
+    streams = 8
+    share = k.attention_bandwidth_share * streams / (streams + k.attention_half_streams)
+    assert step.attention_s == pytest.approx(
+        32 * (k.attention_layer_us + k.attention_request_us) * 1e-6 + kv / (share * 3006e9))
+    assert step.fixed_s == pytest.approx((k.step_us + 32 * k.layer_us) * 1e-6)
+    assert step.device_s == pytest.approx(
+        step.gemm_s + step.attention_s + step.elementwise_s + step.fixed_s)
+    assert step.total_s == max(step.device_s, step.host_s)
+    # one row runs the skinny GEMM: the cuBLAS share moves batch 8, not batch 1
+    slower = dataclasses.replace(k, gemm_batched_bandwidth_share=k.gemm_batched_bandwidth_share / 2)
+    assert step_model.decode_step(model, inputs, hardware, slower).gemm_s == step.gemm_s
+    eight = dataclasses.replace(inputs, batch=8)
+    assert (step_model.decode_step(model, eight, hardware, slower).gemm_s
+            > 1.5 * step_model.decode_step(model, eight, hardware, k).gemm_s)
+
+
+def test_prefill_is_chunked_as_the_engine_does() -> None:
+    model = _model("llama-3-8b")
+    hardware = Hardware.from_gpu(get_gpu("h100"))
+    k = step_model.constants_for("h100-sxm")
+    one = step_model.prefill_time(model, PlanInputs(prompt=8192), hardware, k)
+    two = step_model.prefill_time(model, PlanInputs(prompt=8193), hardware, k)
+    per_chunk = (k.step_us + 32 * k.layer_us) * 1e-6
+    assert two.fixed_s - one.fixed_s == pytest.approx(per_chunk)
+    assert one.fixed_s == pytest.approx(per_chunk + k.prefill_us * 1e-6)
+    # a second chunk streams the decoder's weights (not the logits matmul's) again:
+    # its one row costs a weight read at the one-row kernel's share
+    layer_bytes = (count_params(model).linear + 32 * 2 * 4096) * 2
+    assert two.gemm_s - one.gemm_s == pytest.approx(
+        layer_bytes / (k.gemm_bandwidth_share * 3006e9), rel=0.01)
+
+
+def test_rates_come_from_the_measured_table_or_the_spec_sheet() -> None:
+    h100 = Hardware.from_gpu(get_gpu("h100"))
+    assert (h100.copy_bytes_s, h100.matmul_flops_s) == (3006e9, 785e12)
+    assert "H100 80GB HBM3" in h100.rates_source
+    assert Hardware.from_gpu(get_gpu("h100"), "fp8").matmul_flops_s == 1395e12
+    h200_fp8 = Hardware.from_gpu(get_gpu("h200"), "fp8")  # not measured: bf16 x 1979/989
+    assert h200_fp8.matmul_flops_s == pytest.approx(779e12 * 1979 / 989)
+    l40s = Hardware.from_gpu(get_gpu("l40s"))
+    assert l40s.copy_bytes_s == pytest.approx(864e9 * COPY_SHARE_OF_SPEC)
+    assert "not measured" in l40s.rates_source
+    given = Hardware.from_gpu(get_gpu("h100"), bandwidth_gb_s=1000)
+    assert given.copy_bytes_s == given.bandwidth_bytes_s == 1000e9
+
+
+def test_mbu_and_mfu_are_the_benchmarks_formulas() -> None:
+    assert mbu(15e9, 5e-3, 3e12) == pytest.approx(1.0)
+    assert mfu(8_000_000_000, 1000.0, 800e12) == pytest.approx(0.02)
+
+
+def test_fit_recovers_the_constants_that_made_the_measurements() -> None:
+    """Measurements made by the model itself with other constants: the fit
+    must find predictions that match them (and did not before)."""
+    model = _model("llama-3-8b")
+    hardware = Hardware.from_gpu(get_gpu("h100"))
+    seed = step_model.constants_for("h100-sxm")
+    truth = dataclasses.replace(seed, gemm_batched_bandwidth_share=0.7, gemm_compute_share=0.75,
+                                gemm_overlap=2.5, attention_bandwidth_share=0.85,
+                                step_us=250.0, prefill_us=900.0, prefill_attention_share=0.4)
+    decodes, prefills = [], []
+    for context in (512, 2048, 8192):
+        for batch in (1, 8, 32, 128):
+            inputs = PlanInputs(batch=batch, context=context)
+            decodes.append(fit.DecodeSample(batch, context, 1e3 * step_model.decode_step(
+                model, inputs, hardware, truth).total_s))
+    for prompt in (128, 512, 2048, 8192):
+        prefills.append(fit.PrefillSample(prompt, 1e3 * step_model.prefill_time(
+            model, PlanInputs(prompt=prompt), hardware, truth).total_s))
+    result = fit.fit_constants(model, hardware, PlanInputs(), seed, decodes, prefills, "test")
+    assert result.worst_before > 0.10
+    assert result.worst_after < 0.02
+    assert result.constants.source == "test"
+    literal = fit.constants_literal("h100-sxm", result.constants)
+    assert literal.startswith('    "h100-sxm": StepConstants(') and "gemm_overlap=" in literal
+
+
+def test_sweep_without_measuring_predicts_the_grid(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(["--model", "llama-3-8b", "--gpu", "h100", "--sweep", "--json"], capsys)
+    assert rc == 0
+    sweep = json.loads(out)["sweep"]
+    decode = [p for p in sweep if p["kind"] == "decode"]
+    assert {(p["batch"], p["context"]) for p in decode} == {
+        (b, c) for b in (1, 8, 32, 128, 256) for c in (512, 2048, 8172)}  # 8192 - 16 - 4
+    assert [p["context"] for p in sweep if p["kind"] == "prefill"] == [128, 512, 2048, 8191]
+    assert all(p["measured_ms"] is None and p["predicted_ms"] > 0 for p in sweep)
+
+
+# -- calibration ---------------------------------------------------------------------------
+
+
+def _write_calibration(cache: Path, **fields: Any) -> None:
+    entry = {"card": "NVIDIA H100 80GB HBM3", "gpu": "h100-sxm", "device": "cuda",
+             "memory_gb": 85.0, "copy_gb_s": 2900.0, "matmul_tflop_s": 700.0,
+             "matmul_dtype": "bfloat16", "fp8_tflop_s": 1300.0,
+             "measured_at": "2026-11-27T10:00:00", **fields}
+    (cache / "kvserve").mkdir(parents=True, exist_ok=True)
+    (cache / "kvserve" / "calibration.json").write_text(json.dumps({entry["card"]: entry}))
+
+
+def test_a_calibrated_card_replaces_the_tables_rates(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rc, _, err = _run(["--model", "llama-3-8b", "--gpu", "local"], capsys)
+    assert rc == 2 and "--calibrate first" in err
+    _write_calibration(tmp_path)
+    rc, out, _ = _run(["--model", "llama-3-8b", "--gpu", "h100", "--json"], capsys)
+    data = json.loads(out)
+    assert (data["copy_gb_s"], data["matmul_tflop_s"]) == (2900.0, 700.0)
+    assert "calibrated on this machine" in data["rates_source"]
+    rc, out, _ = _run(["--model", "llama-3-8b", "--gpu", "h200", "--json"], capsys)
+    assert json.loads(out)["copy_gb_s"] == 4257  # another card: the table's
+    _write_calibration(tmp_path, card="NVIDIA H100 NVL", gpu=None)
+    rc, out, _ = _run(["--model", "llama-3-8b", "--gpu", "local", "--json"], capsys)
+    data = json.loads(out)
+    assert rc == 0 and data["inputs"]["gpu"] == "local" and data["copy_gb_s"] == 2900.0
