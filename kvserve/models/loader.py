@@ -3,7 +3,8 @@
 Owns choosing the dtype, building the model on its device in its dtype, and
 filling it either with seeded random weights (``load_format="dummy"``) or by streaming tensors from
 ``model.safetensors`` / the shards of ``model.safetensors.index.json``.
-It never downloads: a model is a preset name or a local directory.
+It never downloads: it reads a local directory (a hub id is resolved to its
+snapshot directory before, by ``kvserve/models/source.py``).
 """
 
 from __future__ import annotations
