@@ -489,7 +489,7 @@ def peak_output_tokens_per_s(results: list[RequestResult], duration: float) -> f
     left = 0
     for time_s, tokens in events:
         total += tokens
-        while time_s - events[left][0] >= window:
+        while time_s - events[left][0] >= window - 1e-9:  # [start, start + window)
             total -= events[left][1]
             left += 1
         best = max(best, total)

@@ -113,7 +113,8 @@ def explain_failure(repo_id: str, options: HubOptions, exc: BaseException) -> st
         return (f"model '{repo_id}' (revision '{revision}') is not in the Hugging Face cache "
                 f"at {cache} and HF_HUB_OFFLINE=1 forbids downloading it; download it once "
                 "with network access, or pass a local checkpoint directory")
-    reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+    root = exc.__cause__ or exc  # the hub wraps the network error in a long explanation
+    reason = " ".join(str(root).split())[:200] or type(root).__name__
     return (f"model '{repo_id}' could not be downloaded from the Hugging Face hub and the "
-            f"cache at {cache} does not hold it ({type(exc).__name__}: {reason}); check the "
+            f"cache at {cache} does not hold it ({type(root).__name__}: {reason}); check the "
             "network (HF_ENDPOINT, proxies), or set HF_HUB_OFFLINE=1 to use the cache only")
