@@ -25,7 +25,13 @@ def resolve_model_path(model: str, hub: HubOptions | None = None, weights: bool 
     if path.is_dir():
         return path
     if not model.startswith((".", "/", "~")) and is_hub_id(model):
-        return snapshot(model, hub or HubOptions(), weights)
+        try:
+            return snapshot(model, hub or HubOptions(), weights)
+        except ValueError as exc:
+            if "/" in model:
+                raise
+            # a bare name is as likely a mistyped preset as a hub model
+            raise ValueError(f"{exc}; presets: {', '.join(sorted(PRESETS))}") from None
     raise ValueError(
         f"{field}: '{path}' is not an existing directory, a preset "
         f"({', '.join(sorted(PRESETS))}) or a Hugging Face hub id (org/name)"

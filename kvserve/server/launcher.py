@@ -7,9 +7,10 @@ the engine configuration is resolved before uvicorn starts (so is each
 SIGTERM (or Ctrl-C) drains: ``/ready`` and new requests get 503 while
 in-flight requests run for up to ``--shutdown-timeout`` seconds; the rest are
 aborted with ``finish_reason: "abort"``, then the process exits 0. A second
-signal exits at once. When the engine dies (a forward raised, or one ran past
-``--engine-watchdog-s``) the process exits 1, without waiting for a hung
-engine thread.
+signal aborts them at once (then exits 0 the same way), a third ends the
+process on the spot. When the engine dies (a forward raised, or one ran
+past ``--engine-watchdog-s``) the process exits 1, without waiting for a
+hung engine thread. ``kvserve serve MODEL`` is ``--model MODEL``.
 """
 
 from __future__ import annotations
