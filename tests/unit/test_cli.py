@@ -105,6 +105,16 @@ def test_a_model_larger_than_memory_is_refused_up_front_with_the_numbers(tmp_pat
                           "--dtype bfloat16")
 
 
+@pytest.mark.slow
+def test_serve_that_cannot_load_its_model_logs_one_error_and_exits_1(tmp_path: Path) -> None:
+    proc = run_cli(tmp_path, "serve", "llama-3-70b", "--load-format", "dummy", "--device", "cpu",
+                   "--port", str(free_port()), "--uvicorn-log-level", "warning")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1 and "loading the model failed: the model's weights need" in errors[0]
+
+
 def test_bench_serve_without_a_server_says_so(tmp_path: Path) -> None:
     proc = run_cli(tmp_path, "bench", "serve", "--port", str(free_port()), "--num-prompts", "1")
     assert_one_line_error(proc, 1, "cannot reach", "/v1/models", "Connection refused",
