@@ -171,8 +171,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # share of free device memory the KV pool may take when num_kv_blocks is unset
     gpu_memory_utilization: float = 0.9
-    # KV budget on CPU when num_kv_blocks is unset
-    cpu_kv_cache_bytes: int = 1 << 30
+    # KV budget on CPU when num_kv_blocks is unset; None: sized for the model
+    # (kvserve/worker/kv_cache.py)
+    cpu_kv_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -253,3 +254,9 @@ class EngineConfig:
     # CUDA graphs for prefill and mixed steps of these token counts (padded up
     # to the next one; the scheduler aims its steps at them)
     cuda_graph_token_sizes: tuple[int, ...] = ()
+    # replaces the tokenizer's chat template (the template's text); None: keep it
+    chat_template: str | None = None
+    # the most top logprobs one request may ask for; -1: no limit
+    max_logprobs: int = 20
+    # torch threads of an engine on the CPU; None: chosen at start-up
+    num_cpu_threads: int | None = None

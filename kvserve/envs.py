@@ -6,6 +6,8 @@ secrets (so keys stay out of ``ps``) and for test-only hooks:
 - ``KVSERVE_API_KEY``: default for ``kvserve serve --api-key`` (comma-separated
   for several keys).
 - ``OPENAI_API_KEY``: default for ``kvserve bench serve --api-key``.
+- ``OMP_NUM_THREADS``: when set, an engine on the CPU keeps torch's thread
+  count (which honours it) instead of choosing one.
 - ``KVSERVE_FAULT_INJECT``: **testing hook**, never set it in production. A
   comma-separated list of ``raise_on_step=K`` (the K-th forward raises),
   ``hang_on_step=K`` (the K-th forward blocks for good) and ``step_delay_s=X``
@@ -94,3 +96,9 @@ def user_cache_dir() -> Path:
     ``$XDG_CACHE_HOME/kvserve``, by default ``~/.cache/kvserve``."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "kvserve"
+
+
+def omp_num_threads() -> int | None:
+    """``OMP_NUM_THREADS`` as a positive integer; None when unset or not one."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None

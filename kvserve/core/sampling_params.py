@@ -12,7 +12,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-# the most top logprobs one request may ask for (vLLM's --max-logprobs default)
+# the default of the engine's limit on top logprobs (vLLM's --max-logprobs
+# default); the engine checks each request against its own max_logprobs
 MAX_LOGPROBS = 20
 # below this temperature a request is greedy
 GREEDY_TEMPERATURE = 1e-5
@@ -84,8 +85,8 @@ class SamplingParams:
             raise _invalid("min_p", self.min_p, "must be in [0, 1]")
         if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
             raise _invalid("seed", self.seed, "must fit in a signed 64-bit integer")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise _invalid("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise _invalid("logprobs", self.logprobs, "must be >= 0")
 
     def _validate_penalties(self) -> None:
         if not -2 <= self.presence_penalty <= 2:

@@ -88,6 +88,8 @@ class LLMEngine:
         tokenizer: Tokenizer = (
             load_tokenizer(config.tokenizer_path) if config.tokenizer_path else ByteTokenizer()
         )
+        if config.chat_template is not None:
+            tokenizer.set_chat_template(config.chat_template)
         core = EngineCore(config, executor or create_executor(config))
         return cls(config, tokenizer, core)
 
@@ -130,6 +132,7 @@ class LLMEngine:
                 f"{self.max_model_len}; the prompt must be at most {self.max_model_len - 1} "
                 "tokens"
             )
+        self._check_logprobs(params)
         params = params.with_eos_token_ids(self.eos_token_ids)
         if params.max_tokens is None:
             params.max_tokens = room
@@ -140,6 +143,17 @@ class LLMEngine:
                 "be generated"
             )
         return params
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """At most ``max_logprobs`` top logprobs (-1: the vocabulary)."""
+        vocab_size = self.config.model_config.vocab_size
+        limit = self.config.max_logprobs
+        limit = vocab_size if limit == -1 else min(limit, vocab_size)
+        if params.logprobs is not None and params.logprobs > limit:
+            raise ValueError(
+                f"logprobs={params.logprobs} is invalid: this engine returns at most {limit} "
+                "top logprobs per token (max_logprobs, --max-logprobs)"
+            )
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check an adapter so requests can use it (a no-op once loaded).
@@ -354,6 +368,19 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._tracked)
+
+    def progress(self, request_id: str) -> tuple[int, int] | None:
+        """(output tokens so far, the most it may produce) of an unfinished
+        request, over its samples; None once it has finished."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        num_tokens = 0
+        for sample in tracked.samples:
+            request = self.core.get_request(sample.core_request_id)
+            num_tokens += (request.num_output_tokens if request is not None
+                           else len(sample.token_ids))
+        return num_tokens, (tracked.params.max_tokens or 0) * len(tracked.samples)
 
     def stats(self) -> dict[str, Any]:
         """Scheduler counters, and where the steps' time went: ``device_s`` is

@@ -57,6 +57,13 @@ class Tokenizer(ABC):
     ) -> str:
         """The prompt text of a chat; ValueError when there is no template."""
 
+    def set_chat_template(self, template: str) -> None:
+        """Use the Jinja ``template`` instead of the tokenizer's own (``--chat-template``)."""
+        raise ValueError(
+            "chat_template: this model has no tokenizer files, so its chat format is fixed; "
+            "pass a model (or --tokenizer) with a Hugging Face tokenizer"
+        )
+
     def apply_chat_template(
         self,
         messages: Sequence[Message],
@@ -85,7 +92,10 @@ class HfTokenizer(Tokenizer):
         self.all_special_ids = list(hf_tokenizer.all_special_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        # verbose=False: no warning about the tokenizer's model_max_length; the
+        # engine checks lengths against max_model_len itself, naming the field
+        return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens,
+                                             verbose=False))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # no clean-up of spaces: it rewrites earlier text (" ." -> "."), which
@@ -104,6 +114,9 @@ class HfTokenizer(Tokenizer):
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf_tokenizer, "chat_template", None))
+
+    def set_chat_template(self, template: str) -> None:
+        self.hf_tokenizer.chat_template = template
 
     def render_chat_template(
         self,

@@ -6,7 +6,8 @@ filling it either with seeded random weights (``load_format="dummy"``) or by str
 each linear's method finishes its weights (``process_weights_after_loading``).
 A quantised model's linears hold kvserve's packed layout from the start, so
 a 16-bit copy of its weights is never built on the device.
-It never downloads: a model is a preset name or a local directory.
+It never downloads: it reads a local directory (a hub id is resolved to its
+snapshot directory before, by ``kvserve/models/source.py``).
 """
 
 from __future__ import annotations

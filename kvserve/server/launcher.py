@@ -7,9 +7,10 @@ the engine configuration is resolved before uvicorn starts (so is each
 SIGTERM (or Ctrl-C) drains: ``/ready`` and new requests get 503 while
 in-flight requests run for up to ``--shutdown-timeout`` seconds; the rest are
 aborted with ``finish_reason: "abort"``, then the process exits 0. A second
-signal exits at once. When the engine dies (a forward raised, or one ran past
-``--engine-watchdog-s``) the process exits 1, without waiting for a hung
-engine thread.
+signal aborts them at once (then exits 0 the same way), a third ends the
+process on the spot. When the engine dies (a forward raised, or one ran
+past ``--engine-watchdog-s``) the process exits 1, without waiting for a
+hung engine thread. ``kvserve serve MODEL`` is ``--model MODEL``.
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ def add_serve_parser(sub: Any) -> None:
         description="Serve a model over the OpenAI API (/v1/completions, "
                     "/v1/chat/completions, /v1/models) plus /health, /ready, /metrics, "
                     "/tokenize, /detokenize and /version.")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as with --model (vLLM's positional spelling)")
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    group.add_argument("--port", type=int, default=DEFAULT_PORT)
+    group.add_argument("--port", type=int, default=DEFAULT_PORT,
+                       help="port to listen on (default: %(default)s)")
     group.add_argument("--api-key", nargs="+", action="extend", default=None,
                        help="accepted API key(s); default $KVSERVE_API_KEY (comma-separated)."
                             " Only /health, /ready and /metrics stay open")
@@ -71,9 +75,18 @@ def add_serve_parser(sub: Any) -> None:
     group.add_argument("--health-stall-s", type=float, default=DEFAULT_HEALTH_STALL_S,
                        help="/health and /ready turn 503 when the engine loop has not "
                             "progressed for this long")
-    group.add_argument("--timeout-keep-alive", type=float, default=5.0)
-    group.add_argument("--uvicorn-log-level", default="info")
-    group.add_argument("--disable-access-log", action="store_true")
+    group.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle HTTP connection stays open (default: %(default)s)")
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug", "trace"),
+                       help="uvicorn's log level; info logs one line per HTTP request "
+                            "(default: %(default)s)")
+    group.add_argument("--disable-access-log", action="store_true",
+                       help="no uvicorn line per HTTP request")
+    group.add_argument("--enable-log-requests", action="store_true", dest="log_requests",
+                       help="log each request's prompt length and sampling parameters")
+    group.add_argument("--disable-log-requests", action="store_false", dest="log_requests",
+                       default=False, help="do not log each request (the default; vLLM's spelling)")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run_serve)
 
@@ -92,6 +105,16 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}={value} is invalid: must be >= 0")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} is invalid: must be in [0, 65535]")
+
+
+def _take_model_tag(args: argparse.Namespace) -> None:
+    """``kvserve serve MODEL`` is ``--model MODEL``; giving two different models is an error."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise ValueError(f"the model is given twice: '{args.model_tag}' and --model "
+                         f"'{args.model}'; give it once")
+    args.model = args.model_tag
 
 
 def parse_lora_modules(args: argparse.Namespace, served_names: list[str]) -> list[LoRARequest]:
@@ -131,6 +154,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.server.state import DrainingServer, ServerConfig, ServerState
 
     _check_args(args)
+    _take_model_tag(args)
     engine_args = EngineArgs.from_cli_args(args)
     engine_config = engine_args.create_engine_config()  # a bad --model fails here, exit 2
     faults = envs.fault_injection()
@@ -158,7 +182,8 @@ def run_serve(args: argparse.Namespace) -> int:
             engine.add_lora(lora_request)
         inject_faults(engine.core.executor, faults)
         freeze_startup_heap()
-        return engine, ThreadedEngineClient(engine, watchdog_s=watchdog_s)
+        return engine, ThreadedEngineClient(engine, watchdog_s=watchdog_s,
+                                            log_requests=args.log_requests)
 
     logging.getLogger("kvserve").setLevel(
         min(logging.getLogger("kvserve").getEffectiveLevel(), logging.INFO))

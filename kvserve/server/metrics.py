@@ -1,6 +1,6 @@
 """Prometheus metrics of the server: ``kvserve:`` names, label ``model_name``.
 
-Two sources feed one registry (per server, so tests can build many):
+Three sources feed one registry (per server, so tests can build many):
 
 - engine state, read from ``EngineClient.stats()`` at scrape time by
   ``EngineStatsCollector`` (running / waiting requests, KV usage, prefix-cache
@@ -8,7 +8,10 @@ Two sources feed one registry (per server, so tests can build many):
 - per-request timings and counts, observed by the HTTP layer as outputs
   arrive (``RequestTimer``): TTFT, inter-token latency, end-to-end latency,
   queue time, prompt and generation tokens, finished requests by reason,
-  admission rejections by reason.
+  admission rejections by reason;
+- the process and the interpreter, by prometheus_client's standard
+  collectors (``process_*``: CPU seconds, resident memory, open files;
+  ``python_*``: version, garbage collections), without the prefix.
 
 Bucket boundaries live here and nowhere else.
 """
@@ -20,6 +23,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Histogram,
@@ -86,6 +92,8 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(model_name, stats))
+        for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(standard)
         labels = ["model_name"]
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:

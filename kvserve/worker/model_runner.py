@@ -60,6 +60,7 @@ from kvserve.worker.kv_cache import (
     allocate_kv_caches,
     allocate_scratch_kv_caches,
     check_weights_fit,
+    min_kv_cache_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -218,7 +219,8 @@ class ModelRunner:
     ) -> ModelRunner:
         """Load the model, profile a largest step, allocate the KV cache, capture graphs."""
         check_weights_fit(config.model_config, dtype, device,
-                          config.cache_config.gpu_memory_utilization)
+                          config.cache_config.gpu_memory_utilization,
+                          min_kv_bytes=min_kv_cache_bytes(config, dtype))
         start = time.perf_counter()
         model = load_model(
             config.model_config,
