@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench import add_bench_parser
     from kvserve.engine.args import EngineArgs
     from kvserve.plan.cli import add_plan_parser
+    from kvserve.quant.calibrate.cli import add_quantize_parser
     from kvserve.server.launcher import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_plan_parser(sub)
+    add_quantize_parser(sub)
     return parser
 
 
