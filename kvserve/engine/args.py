@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.assets import default_model_path
-from kvserve.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.tokenizer import has_tokenizer
 from kvserve.models.source import resolve_model_config
+from kvserve.quant.config import QUANTIZE_AT_LOAD, quantize_at_load
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 LOAD_FORMATS = ("auto", "dummy")
@@ -99,6 +100,8 @@ class EngineArgs:
     cuda_graph_sizes: list[int] | None = None
     cuda_graph_token_sizes: list[int] | None = None
     async_scheduling: bool | None = None
+    quantization: str | None = None
+    quantize_lm_head: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         model = self.model or str(default_model_path())
@@ -109,6 +112,7 @@ class EngineArgs:
         if self.device not in DEVICES:
             raise ValueError(f"device='{self.device}' is invalid: must be one of {DEVICES}")
         model_config, path = resolve_model_config(model)
+        model_config = self._quantization(model_config)
         if path is None and self.load_format != "dummy":
             raise ValueError(
                 f"model='{model}' is a preset with no weights: pass load_format='dummy' "
@@ -162,6 +166,20 @@ class EngineArgs:
             attention_backend=attention_backend,
             cuda_graph_sizes=cuda_graph_sizes,
             cuda_graph_token_sizes=cuda_graph_token_sizes,
+        )
+
+    def _quantization(self, model_config: ModelConfig) -> ModelConfig:
+        """``model_config`` with the weight quantisation ``quantization`` asks for."""
+        if self.quantize_lm_head and self.quantization not in QUANTIZE_AT_LOAD:
+            raise ValueError(
+                f"quantize_lm_head=True needs a quantization that rounds at load "
+                f"({', '.join(QUANTIZE_AT_LOAD)}); got quantization={self.quantization!r}"
+            )
+        if self.quantization is None:
+            return model_config
+        return dataclasses.replace(
+            model_config,
+            quantization=quantize_at_load(self.quantization, self.quantize_lm_head),
         )
 
     def _cuda_graph_sizes(self) -> tuple[int, ...]:
@@ -233,6 +251,14 @@ class EngineArgs:
                            default=None,
                            help="schedule the next step while the current one runs "
                                 "(default: on with CUDA, off on the CPU)")
+        group.add_argument("--quantization", "-q", default=None,
+                           choices=tuple(QUANTIZE_AT_LOAD),
+                           help="round a 16-bit checkpoint's linears to weight-only INT8 "
+                                "(per channel) or INT4 (groups of 128, or -g32 / -g64) as "
+                                "it loads")
+        group.add_argument("--quantize-lm-head", action="store_true",
+                           help="with --quantization, quantise the LM head too "
+                                "(untied heads only)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -40,6 +40,10 @@ class CausalLM(nn.Module):
         """Fill every parameter from HF-named tensors; ValueError naming any bad tensor."""
         raise NotImplementedError
 
+    def linear_module_names(self) -> set[str]:
+        """The HF module names of every linear (a quantised checkpoint's layers)."""
+        raise NotImplementedError
+
 
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("kvserve.models.llama", "LlamaForCausalLM"),

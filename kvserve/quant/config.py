@@ -17,6 +17,11 @@ from dataclasses import dataclass
 WEIGHT_BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128, -1)  # -1: one group per output row (per channel)
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2", "awq", "compressed-tensors")
+# --quantization values that round a 16-bit checkpoint at load: (bits, group size)
+QUANTIZE_AT_LOAD = {
+    "int8": (8, -1), "int4": (4, 128), "int4-g32": (4, 32), "int4-g64": (4, 64),
+    "int4-g128": (4, 128),
+}
 
 
 @dataclass(frozen=True)
@@ -71,3 +76,14 @@ class QuantConfig:
             elif module_name == pattern or module_name.endswith("." + pattern):
                 return False
         return True
+
+
+def quantize_at_load(name: str, quantize_lm_head: bool = False) -> QuantConfig:
+    """The config of ``--quantization NAME`` on a 16-bit checkpoint: symmetric
+    round-to-nearest, the LM head too with ``quantize_lm_head``."""
+    if name not in QUANTIZE_AT_LOAD:
+        raise ValueError(f"quantization='{name}' does not quantise at load; allowed: "
+                         f"{', '.join(QUANTIZE_AT_LOAD)}")
+    bits, group_size = QUANTIZE_AT_LOAD[name]
+    return QuantConfig(bits=bits, group_size=group_size,
+                       ignore=() if quantize_lm_head else ("lm_head",))
