@@ -96,6 +96,12 @@ def corpus_splits(train: Any, stdlib: Path) -> dict[str, list[tuple[str, str]]]:
     return {"train": corpus.splits["train"], "heldout": corpus.splits["heldout"]}
 
 
+def heldout_as_in_training(heldout: list[tuple[str, str]]) -> bool:
+    """Whether these are the held-out files the model card's run scored (by path)."""
+    corpus = json.loads((ROOT / "docs" / "default_model" / "corpus.json").read_text())
+    return sorted(rel for rel, _ in heldout) == sorted(corpus["splits"]["heldout"]["files"])
+
+
 def prefill_metadata(num_reqs: int, seq_len: int) -> tuple[AttentionMetadata, torch.Tensor]:
     """``num_reqs`` fresh requests of ``seq_len`` tokens each, contiguous blocks."""
     blocks = -(-seq_len // BLOCK_SIZE)
@@ -234,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         args.output_json.write_text(json.dumps({
             "model": str(args.model), "stdlib": str(args.stdlib),
             "heldout_files": len(splits["heldout"]), "train_files": len(splits["train"]),
+            "heldout_files_as_in_training": heldout_as_in_training(splits["heldout"]),
             "heldout_tokens": int(stream.numel()), "num_samples": args.num_samples,
             "seq_len": args.seq_len, "seed": args.seed, "max_windows": args.max_windows,
             "torch": torch.__version__,
