@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench.plan_cli import add_plan_parser
     from kvserve.console import run_chat, run_generate
     from kvserve.engine.args import EngineArgs
+    from kvserve.quantize.cli import add_quantize_parser
     from kvserve.server.launcher import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="kvserve", description=DESCRIPTION)
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_plan_parser(sub)
+    add_quantize_parser(sub)
     return parser
 
 
