@@ -31,8 +31,10 @@ class SamplingParams:
 
     ``top_k`` 0 or -1 turns top-k off; ``logprobs`` is the number of top
     logprobs wanted besides the sampled token (0 = only the sampled one,
-    None = none); ``max_tokens=None`` means "until the context ends" and is
-    replaced by the engine before the request is scheduled.
+    None = none); ``prompt_logprobs`` the same for every prompt token after
+    the first (its logprob given the tokens before it); ``max_tokens=None``
+    means "until the context ends" and is replaced by the engine before the
+    request is scheduled.
     """
 
     n: int = 1
@@ -50,6 +52,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # the model's EOS ids, bound by the engine through with_eos_token_ids()
@@ -86,6 +89,9 @@ class SamplingParams:
             raise _invalid("seed", self.seed, "must fit in a signed 64-bit integer")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise _invalid("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise _invalid("prompt_logprobs", self.prompt_logprobs,
+                           f"must be in [0, {MAX_LOGPROBS}]")
 
     def _validate_penalties(self) -> None:
         if not -2 <= self.presence_penalty <= 2:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.config import EngineConfig
-from kvserve.core.outputs import EngineCoreOutput
+from kvserve.core.outputs import EngineCoreOutput, Logprobs
 from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import EngineArgs
@@ -62,6 +62,8 @@ class _Tracked:
     # report only the finished request (offline generate): its text is then
     # decoded once at the end unless stop strings must be watched each step
     final_only: bool = False
+    # with prompt_logprobs: None for the first prompt token, then one dict each
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -244,6 +246,10 @@ class LLMEngine:
             sample.token_ids.extend(new_ids)
             if core_output.new_logprobs is not None:
                 self._append_logprobs(sample, core_output)
+            if core_output.prompt_logprobs is not None and tracked.prompt_logprobs is None:
+                # every sample computes them, so a stream has them with any
+                # choice's first token; the first in is kept
+                tracked.prompt_logprobs = [None, *map(self._ranked, core_output.prompt_logprobs)]
             if sample.decode_at_end and core_output.finish_reason is None:
                 continue  # nothing to decode or report before it finishes
             delta_text = self._detokenize(sample, core_output, stopped)
@@ -300,12 +306,17 @@ class LLMEngine:
             sample.cumulative_logprob = 0.0
         assert core_output.new_logprobs is not None
         for entry in core_output.new_logprobs:
-            ranked: dict[int, Logprob] = {}
-            for position, (token_id, value) in enumerate(zip(entry.token_ids, entry.logprobs)):
-                rank = entry.sampled_rank if position == 0 else position
-                ranked.setdefault(token_id, Logprob(value, rank, self.tokenizer.decode([token_id])))
-            sample.logprobs.append(ranked)
+            sample.logprobs.append(self._ranked(entry))
             sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entry.logprobs[0]
+
+    def _ranked(self, entry: Logprobs) -> dict[int, Logprob]:
+        """One token's logprobs as ``{token_id: Logprob}``: the chosen token
+        first (with its rank), then the top ones (rank = position)."""
+        ranked: dict[int, Logprob] = {}
+        for position, (token_id, value) in enumerate(zip(entry.token_ids, entry.logprobs)):
+            rank = entry.sampled_rank if position == 0 else position
+            ranked.setdefault(token_id, Logprob(value, rank, self.tokenizer.decode([token_id])))
+        return ranked
 
     def _make_output(
         self, tracked: _Tracked, deltas: dict[int, tuple[str, list[int]]], finished: bool
@@ -332,6 +343,7 @@ class LLMEngine:
             request_id=tracked.request_id,
             prompt=tracked.prompt,
             prompt_token_ids=tracked.prompt_token_ids,
+            prompt_logprobs=tracked.prompt_logprobs,
             outputs=completions,
             finished=finished,
             metrics=tracked.metrics,

@@ -6,7 +6,7 @@ FastAPI's body injection, so a bad body is always a 400 with the OpenAI
 envelope ``{"error": {"message", "type", "param", "code"}}``, never a 422.
 Field names and defaults are OpenAI's and vLLM's. Fields that would change
 the meaning of a request but that kvserve does not implement (tools, JSON
-mode, logit bias, ``suffix``, ``echo`` with logprobs) are rejected with a 400
+mode, logit bias, ``suffix``) are rejected with a 400
 instead of being silently ignored; unknown fields are ignored, as vLLM does.
 Responses are built as plain dicts in ``serving.py``.
 """
@@ -203,6 +203,8 @@ class CompletionRequest(SamplingRequest):
     default_max_tokens: ClassVar[int | None] = 16
 
     prompt: list[str] | list[list[int]]
+    # 0 only with echo: the prompt (and its logprobs) back, nothing generated
+    max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -237,9 +239,19 @@ class CompletionRequest(SamplingRequest):
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, f"best_of={self.best_of} is invalid: kvserve supports only "
                            f"best_of equal to n ({self.n})", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo=true with logprobs needs prompt logprobs, which "
-                           "kvserve does not compute yet", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens=0 is invalid without echo=true: must be >= 1",
+                           "max_tokens")
+
+    @property
+    def echo_only(self) -> bool:
+        """True for ``max_tokens: 0`` with echo: score the prompt, generate nothing."""
+        return self.echo and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        # echo only: the engine samples the one token that ends its prefill
+        # (no extra forward), and the response leaves it out
+        return 1 if self.echo_only else super().requested_max_tokens()
 
 
 def _is_token_id(value: Any) -> bool:

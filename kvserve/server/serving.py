@@ -38,7 +38,7 @@ from starlette.types import Receive, Scope, Send
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.client import EngineDeadError
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.lora.request import LoRARequest
 from kvserve.server.metrics import RequestTimer
 from kvserve.server.protocol import (
@@ -168,6 +168,7 @@ class SSEResponse(StreamingResponse):
 class PromptInput:
     token_ids: list[int]
     text: str | None = None  # for echo
+    first_token_text: str = ""  # for echo with logprobs (the first token has no logprob)
 
 
 @dataclass
@@ -183,6 +184,7 @@ class Job:
     body: SamplingRequest
     timer: RequestTimer
     echo: bool = False
+    echo_only: bool = False  # echo with max_tokens 0: the one token sampled is left out
     # top logprobs per token (0 = only the sampled one); None = no logprobs
     top_logprobs: int | None = None
     lora_request: LoRARequest | None = None  # the adapter "model" named, if any
@@ -215,6 +217,38 @@ def usage_dict(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, 
             "total_tokens": num_prompt_tokens + num_completion_tokens}
 
 
+def echo_logprobs(prompt: PromptInput, output: RequestOutput) -> dict[str, Any]:
+    """The completions-API logprobs of the prompt (echo): the first token has
+    none (``null``), each later one its logprob and the top ones."""
+    entries = output.prompt_logprobs
+    if entries is None or len(entries) != len(prompt.token_ids):
+        raise RuntimeError(f"{output.request_id}: the prompt's logprobs are missing")
+    result: dict[str, list[Any]] = {"tokens": [prompt.first_token_text],
+                                    "token_logprobs": [None], "top_logprobs": [None],
+                                    "text_offset": [0]}
+    text_offset = len(prompt.first_token_text)
+    for token_id, entry in zip(prompt.token_ids[1:], entries[1:]):
+        assert entry is not None
+        _add_token(result, entry, token_id, text_offset)
+        text_offset += len(result["tokens"][-1])
+    return result
+
+
+def _add_token(result: dict[str, list[Any]], entry: dict[int, Logprob], token_id: int,
+               text_offset: int) -> None:
+    chosen = entry.get(token_id)
+    result["tokens"].append((chosen.decoded_token if chosen else None) or "")
+    result["token_logprobs"].append(chosen.logprob if chosen else None)
+    ranked = sorted(entry.values(), key=lambda lp: lp.rank)
+    result["top_logprobs"].append({(lp.decoded_token or ""): lp.logprob for lp in ranked})
+    result["text_offset"].append(text_offset)
+
+
+def join_logprobs(first: dict[str, list[Any]], second: dict[str, list[Any]]) -> dict[str, Any]:
+    """Two completions-API logprobs objects as one (the prompt's, then the output's)."""
+    return {key: first[key] + second[key] for key in first}
+
+
 def completion_logprobs(completion: CompletionOutput, start: int,
                         text_offset: int) -> dict[str, Any]:
     """The completions-API logprobs of tokens ``start:`` of a completion."""
@@ -222,14 +256,8 @@ def completion_logprobs(completion: CompletionOutput, start: int,
                                     "text_offset": []}
     entries = completion.logprobs or []
     for token_id, entry in zip(completion.token_ids[start:], entries[start:]):
-        sampled = entry.get(token_id)
-        text = (sampled.decoded_token if sampled else None) or ""
-        result["tokens"].append(text)
-        result["token_logprobs"].append(sampled.logprob if sampled else None)
-        ranked = sorted(entry.values(), key=lambda lp: lp.rank)
-        result["top_logprobs"].append({(lp.decoded_token or ""): lp.logprob for lp in ranked})
-        result["text_offset"].append(text_offset)
-        text_offset += len(text)
+        _add_token(result, entry, token_id, text_offset)
+        text_offset += len(result["tokens"][-1])
     return result
 
 
@@ -266,14 +294,17 @@ def final_response(job: Job, outputs: dict[int, RequestOutput]) -> dict[str, Any
                     logprobs = chat_logprobs(completion, 0, job.top_logprobs)
             else:
                 echo = (prompt.text or "") if job.echo else ""
-                choice["text"] = echo + completion.text
+                choice["text"] = echo + ("" if job.echo_only else completion.text)
                 if job.top_logprobs is not None:
-                    logprobs = completion_logprobs(completion, 0, len(echo))
+                    logprobs = _text_logprobs(job, prompt, output, completion, len(echo))
             choice.update(logprobs=logprobs, finish_reason=completion.finish_reason,
                           stop_reason=completion.stop_reason)
+            if job.echo_only:
+                choice.update(finish_reason="length", stop_reason=None)
             choices.append(choice)
     choices.sort(key=lambda c: c["index"])
-    num_generated = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
+    num_generated = (0 if job.echo_only else
+                     sum(len(c.token_ids) for o in outputs.values() for c in o.outputs))
     return {
         "id": job.request_id, "object": "chat.completion" if job.chat else "text_completion",
         "created": job.created, "model": job.model, "choices": choices,
@@ -281,11 +312,21 @@ def final_response(job: Job, outputs: dict[int, RequestOutput]) -> dict[str, Any
     }
 
 
+def _text_logprobs(job: Job, prompt: PromptInput, output: RequestOutput,
+                   completion: CompletionOutput, text_offset: int) -> dict[str, Any]:
+    """A whole completions-API choice's logprobs: the prompt's with echo, then
+    the generated tokens' (none with ``echo_only``)."""
+    generated = completion_logprobs(completion, len(completion.token_ids) if job.echo_only
+                                    else 0, text_offset)
+    return join_logprobs(echo_logprobs(prompt, output), generated) if job.echo else generated
+
+
 @dataclass
 class _ChoiceState:
     num_tokens: int = 0
     num_sent_logprobs: int = 0
     text_offset: int = 0
+    echoed: bool = False
     finished: bool = False
 
 
@@ -298,24 +339,28 @@ class StreamWriter:
 
     def usage(self) -> dict[str, int]:
         return usage_dict(sum(len(p.token_ids) for p in self.job.prompts),
-                          sum(c.num_tokens for c in self.choices))
+                          0 if self.job.echo_only else sum(c.num_tokens for c in self.choices))
 
     def opening(self) -> list[str]:
-        """Chat: one ``delta.role`` chunk per choice; completions with echo: the prompt."""
-        job, frames = self.job, []
-        for index in range(job.num_choices):
-            if job.chat:
-                choice = {"index": index, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}
-            elif job.echo:
-                text = job.prompts[index // job.n].text or ""
-                self.choices[index].text_offset = len(text)
-                choice = {"index": index, "text": text, "logprobs": None,
-                          "finish_reason": None}
-            else:
-                continue
-            frames.append(job.chunk([choice], self._continuous_usage()))
-        return frames
+        """Chat: one ``delta.role`` chunk per choice (completions echo their
+        prompt with their first output, which brings the prompt's logprobs)."""
+        job = self.job
+        if not job.chat:
+            return []
+        return [job.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}],
+                          self._continuous_usage())
+                for index in range(job.num_choices)]
+
+    def _echo(self, index: int, prompt_index: int, output: RequestOutput) -> str:
+        """The chunk echoing a completions choice's prompt (with its logprobs)."""
+        prompt = self.job.prompts[prompt_index]
+        text = prompt.text or ""
+        state = self.choices[index]
+        state.echoed, state.text_offset = True, len(text)
+        logprobs = echo_logprobs(prompt, output) if self.job.top_logprobs is not None else None
+        return self.job.chunk([{"index": index, "text": text, "logprobs": logprobs,
+                                "finish_reason": None}], self._continuous_usage())
 
     def _continuous_usage(self) -> dict[str, int] | None:
         return self.usage() if self.job.body.continuous_usage else None
@@ -326,6 +371,15 @@ class StreamWriter:
             index = self.job.choice_index(prompt_index, completion.index)
             state = self.choices[index]
             if state.finished:
+                continue
+            if self.job.echo and not state.echoed:
+                frames.append(self._echo(index, prompt_index, output))
+            if self.job.echo_only:
+                if completion.finish_reason is not None:
+                    state.finished = True
+                    frames.append(self.job.chunk([{
+                        "index": index, "text": "", "logprobs": None, "finish_reason": "length",
+                        "stop_reason": None}], self._continuous_usage()))
                 continue
             state.num_tokens = len(completion.token_ids)
             finishing = completion.finish_reason is not None
@@ -396,7 +450,7 @@ class OpenAIServing:
         engine = self.state.require_engine()
         prompts = [self._completion_prompt(engine, body, prompt) for prompt in body.prompt]
         job = self._job(engine, body, prompts, model, chat=False, top_logprobs=body.logprobs)
-        job.echo = body.echo
+        job.echo, job.echo_only = body.echo, body.echo_only
         return await self._serve(request, job)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -426,9 +480,11 @@ class OpenAIServing:
             text, token_ids = engine.tokenize_prompt(prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from None
-        if body.echo and text is None:
+        if not body.echo:
+            return PromptInput(token_ids, text)
+        if text is None:
             text = engine.tokenizer.decode(token_ids)
-        return PromptInput(token_ids, text)
+        return PromptInput(token_ids, text, engine.tokenizer.decode(token_ids[:1]))
 
     def _chat_prompt(self, engine: LLMEngine, body: ChatCompletionRequest) -> PromptInput:
         self._check_chars(engine, sum(len(m.content or "") for m in body.messages), "messages")
@@ -442,7 +498,7 @@ class OpenAIServing:
         return PromptInput(token_ids)
 
     def _sampling_params(self, body: SamplingRequest, top_logprobs: int | None,
-                         prompt_param: str) -> SamplingParams:
+                         prompt_param: str, prompt_logprobs: int | None) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
@@ -455,7 +511,8 @@ class OpenAIServing:
                 repetition_penalty=pick(body.repetition_penalty, 1.0), seed=body.seed,
                 stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                 max_tokens=body.requested_max_tokens(), min_tokens=body.min_tokens,
-                logprobs=top_logprobs, skip_special_tokens=body.skip_special_tokens,
+                logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
             )
         except ValueError as exc:
@@ -467,7 +524,9 @@ class OpenAIServing:
         if body.n > max_n:
             raise APIError(400, f"n={body.n} is invalid: must be <= {max_n} on this server", "n")
         prompt_param = "messages" if chat else "prompt"
-        base = self._sampling_params(body, top_logprobs, prompt_param)
+        echo = isinstance(body, CompletionRequest) and body.echo
+        base = self._sampling_params(body, top_logprobs, prompt_param,
+                                     top_logprobs if echo else None)
         params = []
         for prompt in prompts:
             try:

@@ -7,7 +7,9 @@ request's random generator) updated from the scheduler's diffs, flattens the
 step's tokens of all requests into one batch in persistent buffers, builds
 the attention metadata once, runs the model (a decode step replays a CUDA
 graph when one is captured), computes logits only at the last position of
-each request that has caught up with its tokens, and samples. At start-up
+each request that has caught up with its tokens, and samples (prompt
+logprobs, when asked for, come from the prompt positions' hidden states:
+``worker/prompt_logprobs.py``). At start-up
 it profiles a largest step to size the KV cache. It owns the model, the KV
 cache tensors and the graphs; it knows nothing about queues, budgets or text.
 
@@ -54,6 +56,7 @@ from kvserve.sampling.sampler import (
     forbidden_token_ids,
     make_generator,
 )
+from kvserve.worker import prompt_logprobs
 from kvserve.worker.cuda_graph import CudaGraphs
 from kvserve.worker.input_batch import PersistentBatch, StepBuffers
 from kvserve.worker.kv_cache import (
@@ -130,6 +133,7 @@ class PendingStep:
         self.output: ModelRunnerOutput | None = None
         self._read_oldest = read_oldest  # reads the runner's oldest unread step
         self.graphed, self.num_padding_tokens = graphed, num_padding_tokens
+        self.prompt_logprobs: prompt_logprobs.PromptLogprobsStep | None = None
 
     def get(self) -> ModelRunnerOutput:
         while self.output is None:
@@ -182,6 +186,9 @@ class ModelRunner:
         self.rows: dict[str, int] = {}
         # row -> generator of the seeded random requests
         self._generators: dict[int, torch.Generator] = {}
+        # held requests that want prompt logprobs and whose prompt is not done
+        # -> their prompt_logprobs (their steps replay no decode graph)
+        self._prompt_logprobs: dict[str, int] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
         # wraps the LoRA-capable linears before any graph is captured
@@ -361,6 +368,8 @@ class ModelRunner:
                                  new.num_computed_tokens, new.block_ids, new.sampling_params)
             if generator is not None and not new.sampling_params.is_greedy:
                 self._generators[row] = generator
+            if new.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprobs[new.request_id] = new.sampling_params.prompt_logprobs
             self.rows[new.request_id] = row
             self.states[new.request_id] = RunnerRequestState(
                 request_id=new.request_id,
@@ -377,6 +386,7 @@ class ModelRunner:
     def _free_row(self, request_id: str) -> None:
         """Give back the request's batch row, if it holds one."""
         row = self.rows.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         if row is None:
             return
         self.batch.free(row)
@@ -416,7 +426,7 @@ class ModelRunner:
         padded_num_reqs, padded_num_tokens = num_reqs, int(num_scheduled.sum())
         # graphs hold the base model only: a step with an adapter runs eagerly
         if self.graphs is not None and not (lora_int_ids and any(lora_int_ids)):
-            if int(num_scheduled.max()) == 1:
+            if int(num_scheduled.max()) == 1 and not self._prompt_logprobs:
                 decode_size = self.graphs.decode_size(num_reqs)
             if decode_size is not None:
                 padded_num_reqs = padded_num_tokens = decode_size
@@ -504,6 +514,9 @@ class ModelRunner:
                  else None)
         if self.lora_manager is not None and inputs.lora_int_ids is not None:
             self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist())
+        prompt_plan = (prompt_logprobs.plan(self._prompt_logprobs, inputs.request_ids,
+                                            inputs.rows, inputs.num_scheduled, self.batch)
+                       if self._prompt_logprobs else None)
         start = self._mark()
         logits = sampled_ids = None
         if inputs.decode_graph_size is not None and self.graphs is not None:
@@ -519,6 +532,8 @@ class ModelRunner:
             assert inputs.input_ids is not None and inputs.positions is not None
             assert inputs.metadata is not None, "an eager step has its metadata"
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        prompt_step = (prompt_logprobs.compute(self.model, hidden, prompt_plan, self.device)
+                       if prompt_plan is not None else None)
         self.batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
         sampled = None
         if self._last_sampled is not None:
@@ -542,6 +557,7 @@ class ModelRunner:
                            self.batch.sampling.num_logprobs[sample_rows], host_tensors, start,
                            self._mark(), self._read_oldest_step, graphed,
                            inputs.num_padding_tokens)
+        step.prompt_logprobs = prompt_step
         self._unread.append(step)
         return step
 
@@ -590,6 +606,8 @@ class ModelRunner:
         output = ModelRunnerOutput(device_s=device_s, graphed=step.graphed,
                                    num_padding_tokens=step.num_padding_tokens)
         step.output = output
+        if step.prompt_logprobs is not None:
+            output.prompt_logprobs = step.prompt_logprobs.read()
         if not step.host_tensors:
             return
         token_ids = step.host_tensors[0].numpy()

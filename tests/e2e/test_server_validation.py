@@ -45,7 +45,6 @@ BAD_COMPLETIONS: list[tuple[str, dict[str, Any], str]] = [
     ("prompt-type", {"prompt": {"text": "hi"}}, "prompt"),
     ("stream_options-without-stream", {"stream_options": {"include_usage": True}},
      "stream_options"),
-    ("echo-with-logprobs", {"echo": True, "logprobs": 1}, "echo"),
     ("best_of", {"best_of": 3}, "best_of"),
     ("logit_bias", {"logit_bias": {"5": 10}}, "logit_bias"),
     ("suffix", {"suffix": "x"}, "suffix"),
