@@ -34,7 +34,8 @@ class SamplingParams:
     None = none); ``prompt_logprobs`` the same for every prompt token after
     the first (its logprob given the tokens before it); ``max_tokens=None``
     means "until the context ends" and is replaced by the engine before the
-    request is scheduled.
+    request is scheduled. ``logit_bias`` adds its values (in [-100, 100]) to
+    the logits of its token ids before sampling, greedy included.
     """
 
     n: int = 1
@@ -55,6 +56,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
     # the model's EOS ids, bound by the engine through with_eos_token_ids()
     _eos_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False)
 
@@ -66,6 +68,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias) or None
         self._validate()
 
     def _validate(self) -> None:
@@ -73,6 +77,7 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_lengths()
         self._validate_stops()
+        self._validate_logit_bias()
 
     def _validate_sampling(self) -> None:
         if self.n < 1:
@@ -111,6 +116,13 @@ class SamplingParams:
                 "min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})"
             )
 
+    def _validate_logit_bias(self) -> None:
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise _invalid("logit_bias", token_id, "keys must be token ids (integers >= 0)")
+            if not -100 <= bias <= 100:
+                raise _invalid(f"logit_bias[{token_id}]", bias, "must be in [-100, 100]")
+
     def _validate_stops(self) -> None:
         assert isinstance(self.stop, list) and self.stop_token_ids is not None
         for i, stop in enumerate(self.stop):
@@ -124,6 +136,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the request takes the argmax token every step."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def changes_logits(self) -> bool:
+        """True when logits are biased or masked before sampling (so even a
+        greedy request is not a plain argmax)."""
+        return self.logit_bias is not None
 
     @property
     def stop_strings(self) -> list[str]:

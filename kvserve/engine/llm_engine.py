@@ -132,6 +132,11 @@ class LLMEngine:
                 f"{self.max_model_len}; the prompt must be at most {self.max_model_len - 1} "
                 "tokens"
             )
+        vocab_size = self.config.model_config.vocab_size
+        for token_id in params.logit_bias or {}:
+            if token_id >= vocab_size:
+                raise ValueError(f"logit_bias: token id {token_id} is out of range: must be in "
+                                 f"[0, {vocab_size - 1}]")
         params = params.with_eos_token_ids(self.eos_token_ids)
         if params.max_tokens is None:
             params.max_tokens = room

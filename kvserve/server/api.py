@@ -88,7 +88,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return _error_response(APIError(exc.status_code, str(exc.detail)))
+        # a 405 keeps Starlette's Allow header (the route's methods)
+        return _error_response(APIError(exc.status_code, str(exc.detail),
+                                        headers=exc.headers))
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -207,6 +209,11 @@ def _add_tokenizer_routes(app: FastAPI, state: ServerState, serving: OpenAIServi
         if body.return_token_strs:
             result["token_strs"] = tokenizer.convert_ids_to_tokens(token_ids)
         return JSONResponse(result)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        engine = state.require_engine()
+        return JSONResponse({**engine.tokenizer.info(), "model_max_length": engine.max_model_len})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

@@ -5,10 +5,12 @@ Requests are parsed by the server itself (``APIRequest.parse``), never by
 FastAPI's body injection, so a bad body is always a 400 with the OpenAI
 envelope ``{"error": {"message", "type", "param", "code"}}``, never a 422.
 Field names and defaults are OpenAI's and vLLM's. Fields that would change
-the meaning of a request but that kvserve does not implement (tools, JSON
-mode, logit bias, ``suffix``) are rejected with a 400
-instead of being silently ignored; unknown fields are ignored, as vLLM does.
-Responses are built as plain dicts in ``serving.py``.
+the meaning of a request but that kvserve does not implement (``suffix``,
+``best_of`` other than ``n``) are rejected with a 400 instead of being
+silently ignored; unknown fields are ignored, as vLLM does. An explicit
+``null`` means "the default" for every field (OpenAI's spec allows ``null``
+for its optional fields, and clients send it for unset ones); the JSON
+schema says so. Responses are built as plain dicts in ``serving.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,17 @@ import json
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from kvserve.core.sampling_params import MAX_LOGPROBS
 
@@ -41,25 +53,33 @@ ERROR_TYPES = {
 INTERNAL_ERROR_MESSAGE = "The server had an error while processing your request."
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI error envelope (vLLM's type names, numeric ``code``)."""
+# OpenAI's error codes (a string or null) where OpenAI has one for the case
+ERROR_CODES = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large",
+               503: "service_unavailable"}
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error envelope: vLLM's type names; ``code`` a string or
+    null as OpenAI types it (the HTTP status is the response's own)."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"),
-                      "param": param, "code": status}}
+                      "param": param, "code": code or ERROR_CODES.get(status)}}
 
 
 class APIError(Exception):
     """An error to send as an HTTP status with the OpenAI envelope."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.headers = dict(headers or {})
+        self.code = code
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.param)
+        return error_body(self.status, self.message, self.param, self.code)
 
 
 def _short(value: Any) -> str:
@@ -92,6 +112,13 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(400, "; ".join(lines) or "invalid request body", param)
 
 
+def _defaulted(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` with a default other than None."""
+    return frozenset(name for name, info in model.model_fields.items()
+                     if not info.is_required() and info.get_default(call_default_factory=True)
+                     is not None)
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -108,9 +135,33 @@ RequestT = TypeVar("RequestT", bound="APIRequest")
 
 
 class APIRequest(BaseModel):
-    """Base of the request models: unknown fields ignored, NaN and inf rejected."""
+    """Base of the request models: unknown fields ignored, NaN and inf
+    rejected, ``null`` taken as the field's default."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items()
+                    if value is not None or key not in _defaulted(cls)}
+        return data
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        properties = schema.get("properties", {})
+        for name in _defaulted(cls):
+            prop = properties.get(name)
+            if prop is None:
+                continue
+            kept = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+            options = prop.pop("anyOf", None) or [prop]
+            properties[name] = {"anyOf": [*options, {"type": "null"}], **kept}
+        return schema
 
     @classmethod
     def parse(cls: type[RequestT], body: bytes) -> RequestT:
@@ -154,6 +205,7 @@ class SamplingRequest(APIRequest):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # token id (as a string, JSON keys are strings) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
     priority: int = 0
 
@@ -170,6 +222,21 @@ class SamplingRequest(APIRequest):
                              f"got {len(stops)}")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"key {key!r} is not a token id: keys must be integers >= 0")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {key} is {bias}: must be in [-100, 100]")
+        return value
+
+    @property
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids."""
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+
     @field_validator("stop_token_ids")
     @classmethod
     def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
@@ -182,8 +249,6 @@ class SamplingRequest(APIRequest):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true",
                            "stream_options")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by kvserve", "logit_bias")
 
     @property
     def include_usage(self) -> bool:
@@ -258,12 +323,31 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class FunctionCall(APIRequest):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(APIRequest):
+    """A call an assistant message made (in the history a client sends back)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(APIRequest):
-    """One chat message; content may be a string or a list of text parts."""
+    """One chat message; content may be a string or a list of text parts.
+    ``developer`` is OpenAI's new name for ``system`` and reaches the chat
+    template as ``system``; ``tool`` messages answer an assistant's
+    ``tool_calls`` (``tool_call_id`` names the call)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -282,10 +366,28 @@ class ChatMessage(APIRequest):
         return "".join(texts)
 
     def to_template(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        """The message as HF chat templates read it: a tool call's arguments
+        as a dict (templates write them with ``tojson``), as vLLM passes them."""
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": self.content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{
+                "id": call.id, "type": "function",
+                "function": {"name": call.function.name,
+                             "arguments": _json_or_text(call.function.arguments)},
+            } for call in self.tool_calls]
         return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -201,7 +201,7 @@ class Job:
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         payload: dict[str, Any] = {
             "id": self.request_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -212,9 +212,12 @@ class Job:
         return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def usage_dict(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+def usage_dict(num_prompt_tokens: int, num_completion_tokens: int,
+               num_cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens read from the prefix cache."""
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 def echo_logprobs(prompt: PromptInput, output: RequestOutput) -> dict[str, Any]:
@@ -289,7 +292,8 @@ def final_response(job: Job, outputs: dict[int, RequestOutput]) -> dict[str, Any
             choice: dict[str, Any] = {"index": job.choice_index(prompt_index, completion.index)}
             logprobs = None
             if job.chat:
-                choice["message"] = {"role": "assistant", "content": completion.text}
+                choice["message"] = {"role": "assistant", "content": completion.text,
+                                     "refusal": None}
                 if job.top_logprobs is not None:
                     logprobs = chat_logprobs(completion, 0, job.top_logprobs)
             else:
@@ -308,7 +312,8 @@ def final_response(job: Job, outputs: dict[int, RequestOutput]) -> dict[str, Any
     return {
         "id": job.request_id, "object": "chat.completion" if job.chat else "text_completion",
         "created": job.created, "model": job.model, "choices": choices,
-        "usage": usage_dict(sum(len(p.token_ids) for p in job.prompts), num_generated),
+        "usage": usage_dict(sum(len(p.token_ids) for p in job.prompts), num_generated,
+                            sum(o.num_cached_tokens for o in outputs.values())),
     }
 
 
@@ -336,10 +341,12 @@ class StreamWriter:
     def __init__(self, job: Job) -> None:
         self.job = job
         self.choices = [_ChoiceState() for _ in range(job.num_choices)]
+        self.num_cached_tokens: dict[int, int] = {}  # per prompt index
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return usage_dict(sum(len(p.token_ids) for p in self.job.prompts),
-                          0 if self.job.echo_only else sum(c.num_tokens for c in self.choices))
+                          0 if self.job.echo_only else sum(c.num_tokens for c in self.choices),
+                          sum(self.num_cached_tokens.values()))
 
     def opening(self) -> list[str]:
         """Chat: one ``delta.role`` chunk per choice (completions echo their
@@ -362,11 +369,12 @@ class StreamWriter:
         return self.job.chunk([{"index": index, "text": text, "logprobs": logprobs,
                                 "finish_reason": None}], self._continuous_usage())
 
-    def _continuous_usage(self) -> dict[str, int] | None:
+    def _continuous_usage(self) -> dict[str, Any] | None:
         return self.usage() if self.job.body.continuous_usage else None
 
     def frames(self, prompt_index: int, output: RequestOutput) -> list[str]:
         frames = []
+        self.num_cached_tokens[prompt_index] = output.num_cached_tokens
         for completion in output.outputs:
             index = self.job.choice_index(prompt_index, completion.index)
             state = self.choices[index]
@@ -440,7 +448,7 @@ class OpenAIServing:
             return names[0] if model is None else model
         served = [*names, *(lora.lora_name for lora in config.lora_requests)]
         raise APIError(404, f"The model `{model}` does not exist. Served: "
-                       f"{', '.join(served)}.", "model")
+                       f"{', '.join(served)}.", "model", code="model_not_found")
 
     async def completions(self, request: Request) -> Response:
         body = CompletionRequest.parse(
@@ -514,6 +522,7 @@ class OpenAIServing:
                 logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
+                logit_bias=body.token_logit_bias,
             )
         except ValueError as exc:
             raise APIError(400, str(exc), _error_param(exc, body, prompt_param)) from None

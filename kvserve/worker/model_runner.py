@@ -54,6 +54,7 @@ from kvserve.sampling.sampler import (
     SamplerOutput,
     SamplingBatch,
     forbidden_token_ids,
+    logit_bias_triples,
     make_generator,
 )
 from kvserve.worker import prompt_logprobs
@@ -189,6 +190,8 @@ class ModelRunner:
         # held requests that want prompt logprobs and whose prompt is not done
         # -> their prompt_logprobs (their steps replay no decode graph)
         self._prompt_logprobs: dict[str, int] = {}
+        # held requests with a logit_bias (kept across preemption)
+        self._biased: set[str] = set()
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
         # wraps the LoRA-capable linears before any graph is captured
@@ -357,6 +360,7 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
+            self._biased.discard(request_id)
             self._free_row(request_id)
         for request_id in scheduler_output.preempted_request_ids:
             self._free_row(request_id)
@@ -368,6 +372,8 @@ class ModelRunner:
                                  new.num_computed_tokens, new.block_ids, new.sampling_params)
             if generator is not None and not new.sampling_params.is_greedy:
                 self._generators[row] = generator
+            if new.sampling_params.logit_bias:
+                self._biased.add(new.request_id)
             if new.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs[new.request_id] = new.sampling_params.prompt_logprobs
             self.rows[new.request_id] = row
@@ -492,8 +498,12 @@ class ModelRunner:
             index = {row: i for i, row in enumerate(row_list)}
             generators = {index[row]: generator for row, generator in self._generators.items()
                           if row in index}
+        biases = logit_bias_triples(
+            (i, self.states[request_id].sampling_params)
+            for i, request_id in enumerate(inputs.sample_request_ids)
+            if request_id in self._biased) if self._biased else []
         return SamplingBatch.from_rows(batch.sampling.take(sample_rows), prompts, outputs,
-                                       forbidden, generators, self.device)
+                                       forbidden, generators, self.device, biases)
 
     # ------------------------------------------------------------ step
 

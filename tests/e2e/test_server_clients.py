@@ -100,3 +100,51 @@ def test_streamed_echo_equals_the_response(
     # the openai SDK parses it
     parsed = client.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"})
     assert len(parsed.choices) == 4
+
+
+def test_explicit_nulls_mean_the_defaults(serve_tiny: ServerProcess) -> None:
+    completion = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
+    nullable = ["n", "echo", "logprobs", "stream", "stream_options", "temperature", "top_p",
+                "stop", "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias",
+                "best_of", "suffix", "ignore_eos", "min_tokens"]
+    response = httpx.post(serve_tiny.url + "/v1/completions",
+                          json={**completion, **dict.fromkeys(nullable)}, timeout=30)
+    assert response.status_code == 200, response.text
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2}
+    nullable_chat = ["n", "logprobs", "top_logprobs", "stream", "tools", "tool_choice",
+                     "response_format", "max_completion_tokens", "seed", "stop"]
+    response = httpx.post(serve_tiny.url + "/v1/chat/completions",
+                          json={**chat, **dict.fromkeys(nullable_chat)}, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["refusal"] is None
+
+
+def test_logit_bias_history_roles_and_cached_tokens(client: openai.OpenAI) -> None:
+    forced = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=3,
+                                       temperature=0.0, logit_bias={"300": 100},
+                                       extra_body={"ignore_eos": True})
+    tokens = client.completions.create(model=MODEL_NAME, prompt=[300, 300, 300], max_tokens=1,
+                                       echo=True)
+    assert forced.choices[0].text == tokens.choices[0].text[:len(forced.choices[0].text)]
+    history: list[Any] = [
+        {"role": "developer", "content": "answer briefly"},
+        {"role": "user", "content": "what is the weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    first = client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=4)
+    again = client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=4)
+    assert first.choices[0].message.refusal is None
+    assert first.usage is not None and again.usage is not None
+    details = again.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    assert 0 < details.cached_tokens < again.usage.prompt_tokens
+
+
+def test_tokenizer_info(serve_tiny: ServerProcess) -> None:
+    info = httpx.get(serve_tiny.url + "/tokenizer_info", timeout=10).json()
+    assert info["tokenizer_class"] and info["eos_token"] == "</s>"
+    assert info["model_max_length"] == 128 and "chat_template" in info
