@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve import __version__
 from kvserve.server.metrics import CONTENT_TYPE
+from kvserve.server.openapi import openapi_document
 from kvserve.server.protocol import (
     INTERNAL_ERROR_MESSAGE,
     APIError,
@@ -150,6 +151,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return JSONResponse(openapi_document())
 
     @app.get("/version")
     async def version() -> Response:

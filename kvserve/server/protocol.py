@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -28,7 +28,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic.json_schema import JsonSchemaValue
+from pydantic.json_schema import JsonSchemaValue, WithJsonSchema
 from pydantic_core import CoreSchema
 
 from kvserve.core.sampling_params import MAX_LOGPROBS
@@ -192,7 +192,9 @@ class SamplingRequest(APIRequest):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     n: int = Field(1, ge=1)
-    stop: list[str] | None = None
+    stop: Annotated[list[str] | None, WithJsonSchema(
+        {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                   {"type": "null"}]})] = None
     stop_token_ids: list[int] | None = None
     seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -267,7 +269,10 @@ class CompletionRequest(SamplingRequest):
 
     default_max_tokens: ClassVar[int | None] = 16
 
-    prompt: list[str] | list[list[int]]
+    prompt: Annotated[list[str] | list[list[int]], WithJsonSchema({"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}},
+        {"type": "array", "items": {"type": "integer"}},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]})]
     # 0 only with echo: the prompt (and its logprobs) back, nothing generated
     max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -343,7 +348,11 @@ class ChatMessage(APIRequest):
     ``tool_calls`` (``tool_call_id`` names the call)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None = None
+    content: Annotated[str | None, WithJsonSchema({"anyOf": [
+        {"type": "string"}, {"type": "null"},
+        {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                    "properties": {"type": {"const": "text"},
+                                                   "text": {"type": "string"}}}}]})] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
