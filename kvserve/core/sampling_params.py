@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.core.structured_output import StructuredOutputParams
 
 # the most top logprobs one request may ask for (vLLM's --max-logprobs default)
 MAX_LOGPROBS = 20
@@ -36,6 +39,9 @@ class SamplingParams:
     means "until the context ends" and is replaced by the engine before the
     request is scheduled. ``logit_bias`` adds its values (in [-100, 100]) to
     the logits of its token ids before sampling, greedy included.
+    ``structured_output`` constrains the output to a JSON schema, regex,
+    choice or grammar; the engine binds the compiled grammar
+    (``with_grammar``) before the request is scheduled.
     """
 
     n: int = 1
@@ -57,6 +63,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_output: StructuredOutputParams | None = None
+    # the compiled grammar of structured_output, bound by the engine (shared, never copied)
+    _grammar: Any = field(default=None, init=False, repr=False, compare=False)
     # the model's EOS ids, bound by the engine through with_eos_token_ids()
     _eos_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False)
 
@@ -141,7 +150,18 @@ class SamplingParams:
     def changes_logits(self) -> bool:
         """True when logits are biased or masked before sampling (so even a
         greedy request is not a plain argmax)."""
-        return self.logit_bias is not None
+        return self.logit_bias is not None or self.structured_output is not None
+
+    @property
+    def grammar(self) -> Any:
+        """The compiled grammar bound by the engine (None until bound)."""
+        return self._grammar
+
+    def with_grammar(self, grammar: Any) -> SamplingParams:
+        """A copy with ``structured_output``'s compiled grammar bound."""
+        params = self.clone()
+        params._grammar = grammar
+        return params
 
     @property
     def stop_strings(self) -> list[str]:
@@ -164,8 +184,9 @@ class SamplingParams:
         return self._eos_token_ids
 
     def clone(self) -> SamplingParams:
-        """A deep copy (lists included), safe to change."""
-        return copy.deepcopy(self)
+        """A deep copy (lists included), safe to change; the compiled grammar
+        is shared, not copied."""
+        return copy.deepcopy(self, {id(self._grammar): self._grammar})
 
     def with_eos_token_ids(self, eos_token_ids: list[int] | tuple[int, ...]) -> SamplingParams:
         """A copy with the model's EOS ids bound (used by ``all_stop_token_ids``)."""

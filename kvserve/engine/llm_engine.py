@@ -24,6 +24,7 @@ from kvserve.engine.args import EngineArgs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_core import EngineCore, Executor, create_executor
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.engine.structured_output import StructuredOutputCompiler
 from kvserve.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvserve.lora.request import LoRARequest
 
@@ -83,6 +84,7 @@ class LLMEngine:
         self._core_to_sample: dict[str, tuple[_Tracked, _Sample]] = {}
         self._counter = itertools.count()
         self.step_s = 0.0  # wall time spent in step()
+        self._grammar_compiler: StructuredOutputCompiler | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, executor: Executor | None = None) -> LLMEngine:
@@ -148,6 +150,21 @@ class LLMEngine:
             )
         return params
 
+    @property
+    def grammar_compiler(self) -> StructuredOutputCompiler:
+        """The structured-output compiler (built, and xgrammar imported, on first use)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = StructuredOutputCompiler(
+                self.tokenizer, self.config.model_config.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
+
+    def compile_grammar(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its structured output's grammar compiled and bound
+        (unchanged without one); ValueError when it cannot be compiled."""
+        if params.structured_output is None or params.grammar is not None:
+            return params
+        return params.with_grammar(self.grammar_compiler.compile(params.structured_output))
+
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check an adapter so requests can use it (a no-op once loaded).
 
@@ -181,7 +198,8 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request_id='{request_id}' is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
-        params = self.resolve_params(len(token_ids), params or SamplingParams())
+        params = self.compile_grammar(self.resolve_params(len(token_ids),
+                                                          params or SamplingParams()))
         lora_int_id = 0
         if lora_request is not None:
             self.add_lora(lora_request)

@@ -5,7 +5,7 @@ as device tensors plus host-side fast-path flags) from the ``SamplingRows``
 it keeps per request (numpy columns) and calls ``Sampler``.
 The order of operations is:
 
-    logit bias -> penalties (repetition, presence, frequency) -> min_tokens mask
+    logit bias -> grammar bitmask -> penalties (repetition, presence, frequency) -> min_tokens mask
     -> greedy rows: argmax
     -> temperature -> min_p -> top_k -> top_p -> exponential-race sample
 
@@ -158,6 +158,8 @@ class SamplingBatch:
     bias_row_idx: torch.Tensor | None  # [B] int64
     bias_token_ids: torch.Tensor | None  # [B] int64
     bias_values: torch.Tensor | None  # [B] float32
+    # structured output: bit j of word i of a row set when token 32 i + j is allowed
+    token_bitmask: torch.Tensor | None  # [R, ceil(vocab_size / 32)] int32
     # row index -> that request's own generator (seeded, non-greedy rows only)
     generators: dict[int, torch.Generator]
     # None when no row wants logprobs
@@ -228,12 +230,14 @@ class SamplingBatch:
         generators: dict[int, torch.Generator],
         device: torch.device | str,
         logit_bias: Sequence[tuple[int, int, float]] = (),
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """The batch of ``rows``. The token ids are read only when a row has a
         penalty (the runner passes None otherwise); ``forbidden`` are the
         (row, token) pairs to mask (``forbidden_token_ids``); ``generators``
         maps rows to seeded generators (greedy rows' are dropped);
-        ``logit_bias`` the (row, token, bias) triples (``logit_bias_triples``)."""
+        ``logit_bias`` the (row, token, bias) triples (``logit_bias_triples``);
+        ``token_bitmask`` the rows' allowed tokens, on the host (int32 words)."""
         vocab_size = rows.vocab_size
         all_greedy = bool(rows.greedy.all())
         all_random = not rows.greedy.any()
@@ -284,6 +288,8 @@ class SamplingBatch:
             bias_row_idx=bias_rows,
             bias_token_ids=bias_ids,
             bias_values=bias_values,
+            token_bitmask=(None if token_bitmask is None
+                           else to_device(token_bitmask.numpy(), torch.int32, device)),
             generators={i: g for i, g in generators.items() if not rows.greedy[i]},
             max_num_logprobs=max_logprobs if max_logprobs >= 0 else None,
         )
@@ -374,6 +380,8 @@ class Sampler:
             assert batch.bias_token_ids is not None and batch.bias_values is not None
             logits = logits.index_put((batch.bias_row_idx, batch.bias_token_ids),
                                       batch.bias_values, accumulate=True)
+        if batch.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, batch.token_bitmask)
         logits = apply_penalties(logits, batch)
         if batch.forbidden_row_idx is not None and batch.forbidden_token_ids is not None:
             logits = logits.index_put(
@@ -400,6 +408,14 @@ class Sampler:
         if greedy_ids is None or batch.greedy_mask is None:
             return random_ids
         return torch.where(batch.greedy_mask, greedy_ids, random_ids)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``-inf`` for every token whose bit is clear (bit ``j`` of word ``i`` is
+    token ``32 i + j``); out of place."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :logits.shape[1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

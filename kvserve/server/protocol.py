@@ -32,6 +32,7 @@ from pydantic.json_schema import JsonSchemaValue, WithJsonSchema
 from pydantic_core import CoreSchema
 
 from kvserve.core.sampling_params import MAX_LOGPROBS
+from kvserve.core.structured_output import StructuredOutputParams
 
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS_PER_REQUEST = 128
@@ -179,6 +180,36 @@ class StreamOptions(APIRequest):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(APIRequest):
+    """``response_format.json_schema``: the output always matches ``schema``
+    (``strict`` or not, as in vLLM)."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(APIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(APIRequest):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+# vLLM's older request fields for the same, each one kind
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
 class SamplingRequest(APIRequest):
     """Fields shared by completions and chat completions."""
 
@@ -210,6 +241,13 @@ class SamplingRequest(APIRequest):
     # token id (as a string, JSON keys are strings) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
     priority: int = 0
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -251,6 +289,39 @@ class SamplingRequest(APIRequest):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true",
                            "stream_options")
+
+    def structured_output(self) -> tuple[StructuredOutputParams, str] | None:
+        """What the output must match and the field that asked for it (400
+        naming the field when it is malformed or given twice)."""
+        given: list[tuple[dict[str, Any], str]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append((self._response_format_spec(), "response_format"))
+        if self.structured_outputs is not None:
+            given.append((self.structured_outputs.model_dump(by_alias=True, exclude_none=True),
+                          "structured_outputs"))
+        for name, kind in GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                given.append(({kind: getattr(self, name)}, name))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(400, "give only one of " + ", ".join(p for _, p in given)
+                           + ": each constrains the whole output", given[1][1])
+        spec, param = given[0]
+        try:
+            return StructuredOutputParams(**spec), param
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, f"{param}: {exc}", param) from None
+
+    def _response_format_spec(self) -> dict[str, Any]:
+        assert self.response_format is not None
+        if self.response_format.type == "json_object":
+            return {"json_object": True}
+        json_schema = self.response_format.json_schema
+        if json_schema is None or json_schema.schema_ is None:
+            raise APIError(400, "response_format.json_schema.schema: a json_schema response "
+                           "format needs a schema", "response_format.json_schema")
+        return {"json": json_schema.schema_}
 
     @property
     def include_usage(self) -> bool:
@@ -408,7 +479,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -418,10 +488,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         if self.tools:
             raise APIError(400, "tools are not supported by kvserve", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, f"response_format type "
-                           f"'{self.response_format.get('type')}' is not supported by "
-                           "kvserve (only 'text')", "response_format")
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:

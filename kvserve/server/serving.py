@@ -188,6 +188,7 @@ class Job:
     # top logprobs per token (0 = only the sampled one); None = no logprobs
     top_logprobs: int | None = None
     lora_request: LoRARequest | None = None  # the adapter "model" named, if any
+    structured_param: str | None = None  # the field that asked for structured output
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -459,6 +460,7 @@ class OpenAIServing:
         prompts = [self._completion_prompt(engine, body, prompt) for prompt in body.prompt]
         job = self._job(engine, body, prompts, model, chat=False, top_logprobs=body.logprobs)
         job.echo, job.echo_only = body.echo, body.echo_only
+        await self._compile_grammar(engine, job)
         return await self._serve(request, job)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -470,6 +472,7 @@ class OpenAIServing:
         prompt = self._chat_prompt(engine, body)
         job = self._job(engine, body, [prompt], model, chat=True,
                         top_logprobs=body.num_top_logprobs)
+        await self._compile_grammar(engine, job)
         return await self._serve(request, job)
 
     # ------------------------------------------------------------ preparing
@@ -536,6 +539,9 @@ class OpenAIServing:
         echo = isinstance(body, CompletionRequest) and body.echo
         base = self._sampling_params(body, top_logprobs, prompt_param,
                                      top_logprobs if echo else None)
+        structured = body.structured_output()
+        if structured is not None:
+            base.structured_output = structured[0]
         params = []
         for prompt in prompts:
             try:
@@ -546,7 +552,19 @@ class OpenAIServing:
         return Job(chat=chat, request_id=f"{prefix}-{uuid.uuid4().hex}", model=model,
                    prompts=prompts, params=params, n=body.n, body=body,
                    timer=self.state.metrics.timer(len(prompts) * body.n),
-                   top_logprobs=top_logprobs, lora_request=self.state.config.lora_request(model))
+                   top_logprobs=top_logprobs, lora_request=self.state.config.lora_request(model),
+                   structured_param=structured[1] if structured is not None else None)
+
+    async def _compile_grammar(self, engine: LLMEngine, job: Job) -> None:
+        """Compile the job's grammar in a worker thread (not on the event loop
+        or the engine's step loop; cached), or 400 naming the field."""
+        if job.structured_param is None:
+            return
+        try:
+            compiled = await asyncio.to_thread(engine.compile_grammar, job.params[0])
+        except ValueError as exc:
+            raise APIError(400, f"{job.structured_param}: {exc}", job.structured_param) from None
+        job.params = [params.with_grammar(compiled.grammar) for params in job.params]
 
     # ------------------------------------------------------------ serving
 

@@ -65,6 +65,7 @@ from kvserve.worker.kv_cache import (
     allocate_scratch_kv_caches,
     check_weights_fit,
 )
+from kvserve.worker.structured_output import GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +193,8 @@ class ModelRunner:
         self._prompt_logprobs: dict[str, int] = {}
         # held requests with a logit_bias (kept across preemption)
         self._biased: set[str] = set()
+        # structured-output requests' grammar state (worker/structured_output.py)
+        self.matchers = GrammarMatchers(model_config.vocab_size)
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
         # wraps the LoRA-capable linears before any graph is captured
@@ -361,6 +364,7 @@ class ModelRunner:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
             self._biased.discard(request_id)
+            self.matchers.remove(request_id)
             self._free_row(request_id)
         for request_id in scheduler_output.preempted_request_ids:
             self._free_row(request_id)
@@ -374,6 +378,8 @@ class ModelRunner:
                 self._generators[row] = generator
             if new.sampling_params.logit_bias:
                 self._biased.add(new.request_id)
+            if new.sampling_params.grammar is not None:
+                self.matchers.add(new.request_id, new.sampling_params.grammar)
             if new.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs[new.request_id] = new.sampling_params.prompt_logprobs
             self.rows[new.request_id] = row
@@ -419,7 +425,9 @@ class ModelRunner:
         carried = np.flatnonzero(ends > batch.num_tokens[rows])
         carried_src = self._last_sample_index[rows[carried]]
         if len(carried) and ((carried_src < 0).any()
-                             or batch.needs_known_outputs(rows[carried]).any()):
+                             or batch.needs_known_outputs(rows[carried]).any()
+                             or (self.matchers and any(request_ids[i] in self.matchers
+                                                       for i in carried.tolist()))):
             self._read_all_steps()
             carried = np.flatnonzero(ends > batch.num_tokens[rows])
             carried_src = self._last_sample_index[rows[carried]]
@@ -502,8 +510,9 @@ class ModelRunner:
             (i, self.states[request_id].sampling_params)
             for i, request_id in enumerate(inputs.sample_request_ids)
             if request_id in self._biased) if self._biased else []
+        bitmask = self.matchers.bitmask(inputs.sample_request_ids) if self.matchers else None
         return SamplingBatch.from_rows(batch.sampling.take(sample_rows), prompts, outputs,
-                                       forbidden, generators, self.device, biases)
+                                       forbidden, generators, self.device, biases, bitmask)
 
     # ------------------------------------------------------------ step
 
@@ -627,6 +636,8 @@ class ModelRunner:
             request_id: [token_id]
             for request_id, token_id in zip(step.request_ids, token_ids.tolist(), strict=True)
         }
+        if self.matchers:
+            self.matchers.accept(output.sampled_token_ids)
         if len(step.host_tensors) == 1:
             return
         ids, values = step.host_tensors[1].tolist(), step.host_tensors[2].tolist()

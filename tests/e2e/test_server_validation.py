@@ -61,7 +61,16 @@ BAD_CHATS: list[tuple[str, dict[str, Any], str]] = [
     ("max_completion_tokens", {"max_completion_tokens": 1000}, "max_completion_tokens"),
     ("temperature", {"temperature": 3}, "temperature"),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("response_format", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("response_format-type", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("response_format-no-schema", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x"}}}, "response_format.json_schema"),
+    ("response_format-bad-schema", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
+     "response_format"),
+    ("structured-twice", {"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ("guided_regex-bad", {"guided_regex": "(unclosed"}, "guided_regex"),
+    ("guided_grammar-bad", {"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+    ("structured_outputs-empty", {"structured_outputs": {}}, "structured_outputs"),
     ("stream-type", {"stream": "maybe"}, "stream"),
 ]
 
