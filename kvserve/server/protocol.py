@@ -470,6 +470,27 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
+class FunctionDefinition(APIRequest):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(APIRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(APIRequest):
+    name: str
+
+
+class NamedToolChoice(APIRequest):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
@@ -477,8 +498,11 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # the deprecated spelling of tools: refused rather than ignored
+    functions: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -486,8 +510,31 @@ class ChatCompletionRequest(SamplingRequest):
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        if self.tools:
-            raise APIError(400, "tools are not supported by kvserve", "tools")
+        if self.functions is not None:
+            raise APIError(400, "functions is deprecated and not supported: send tools",
+                           "functions")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise APIError(400, "tool_choice 'required' or a named function needs tools",
+                           "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                tool.function.name for tool in self.tools or []}:
+            raise APIError(400, f"tool_choice names function '{choice.function.name}', "
+                           "which is not in tools", "tool_choice")
+
+    @property
+    def tool_mode(self) -> tuple[str, str | None] | None:
+        """("auto" | "required" | "named", the named function) when the
+        output may hold tool calls; None without tools or with "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named", self.tool_choice.function.name
+        return ("required" if self.tool_choice == "required" else "auto"), None
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools as the chat template and the schema builder read them."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:

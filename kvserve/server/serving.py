@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.structured_output import StructuredOutputParams
 from kvserve.engine.client import EngineDeadError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -49,6 +50,7 @@ from kvserve.server.protocol import (
     SamplingRequest,
 )
 from kvserve.server.state import ServerState, Ticket
+from kvserve.server.tool_parsers import ToolCalling, forced_calls_schema, get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +191,7 @@ class Job:
     top_logprobs: int | None = None
     lora_request: LoRARequest | None = None  # the adapter "model" named, if any
     structured_param: str | None = None  # the field that asked for structured output
+    tools: ToolCalling | None = None  # chat with tools (tool_choice not "none")
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -292,9 +295,16 @@ def final_response(job: Job, outputs: dict[int, RequestOutput]) -> dict[str, Any
         for completion in output.outputs:
             choice: dict[str, Any] = {"index": job.choice_index(prompt_index, completion.index)}
             logprobs = None
+            finish_reason = completion.finish_reason
             if job.chat:
                 choice["message"] = {"role": "assistant", "content": completion.text,
                                      "refusal": None}
+                if job.tools is not None:
+                    content, calls = job.tools.extract(completion.text)
+                    choice["message"]["content"] = content
+                    if calls:
+                        choice["message"]["tool_calls"] = [c.to_openai() for c in calls]
+                    finish_reason = job.tools.finish_reason(finish_reason, calls)
                 if job.top_logprobs is not None:
                     logprobs = chat_logprobs(completion, 0, job.top_logprobs)
             else:
@@ -302,7 +312,7 @@ def final_response(job: Job, outputs: dict[int, RequestOutput]) -> dict[str, Any
                 choice["text"] = echo + ("" if job.echo_only else completion.text)
                 if job.top_logprobs is not None:
                     logprobs = _text_logprobs(job, prompt, output, completion, len(echo))
-            choice.update(logprobs=logprobs, finish_reason=completion.finish_reason,
+            choice.update(logprobs=logprobs, finish_reason=finish_reason,
                           stop_reason=completion.stop_reason)
             if job.echo_only:
                 choice.update(finish_reason="length", stop_reason=None)
@@ -334,6 +344,7 @@ class _ChoiceState:
     text_offset: int = 0
     echoed: bool = False
     finished: bool = False
+    num_sent_chars: int = 0  # chat with tools: content characters sent
 
 
 class StreamWriter:
@@ -391,6 +402,9 @@ class StreamWriter:
                         "stop_reason": None}], self._continuous_usage()))
                 continue
             state.num_tokens = len(completion.token_ids)
+            if self.job.tools is not None:
+                frames += self._tool_frames(index, completion, state)
+                continue
             finishing = completion.finish_reason is not None
             wants_logprobs = (self.job.top_logprobs is not None
                               and state.num_tokens > state.num_sent_logprobs)
@@ -400,6 +414,37 @@ class StreamWriter:
             state.finished = finishing
             frames.append(self.job.chunk([choice], self._continuous_usage()))
         return frames
+
+    def _tool_frames(self, index: int, completion: CompletionOutput,
+                     state: _ChoiceState) -> list[str]:
+        """A chat choice with tools: content while it cannot be a call, the
+        calls when the output ends (each: its id, type and name with empty
+        arguments, then the arguments, as OpenAI streams them)."""
+        tools, text = self.job.tools, completion.text
+        assert tools is not None
+        choices: list[dict[str, Any]] = []
+        if completion.finish_reason is None:
+            end = tools.streamable(text)
+            if end > state.num_sent_chars:
+                choices.append({"delta": {"content": text[state.num_sent_chars:end]}})
+                state.num_sent_chars = end
+        else:
+            state.finished = True
+            content, calls = tools.extract(text)
+            rest = (content or "")[state.num_sent_chars:] if calls else text[
+                state.num_sent_chars:]
+            if rest:
+                choices.append({"delta": {"content": rest}})
+            for i, call in enumerate(calls):
+                choices.append({"delta": {"tool_calls": [{
+                    "index": i, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}]}})
+                choices.append({"delta": {"tool_calls": [{
+                    "index": i, "function": {"arguments": call.arguments}}]}})
+            choices.append({"delta": {}, "finish_reason": tools.finish_reason(
+                completion.finish_reason, calls), "stop_reason": completion.stop_reason})
+        return [self.job.chunk([{"index": index, "logprobs": None, "finish_reason": None,
+                                 **choice}], self._continuous_usage()) for choice in choices]
 
     def _choice(self, index: int, completion: CompletionOutput,
                 state: _ChoiceState) -> dict[str, Any]:
@@ -472,6 +517,7 @@ class OpenAIServing:
         prompt = self._chat_prompt(engine, body)
         job = self._job(engine, body, [prompt], model, chat=True,
                         top_logprobs=body.num_top_logprobs)
+        self._tool_calling(body, job)
         await self._compile_grammar(engine, job)
         return await self._serve(request, job)
 
@@ -500,9 +546,12 @@ class OpenAIServing:
     def _chat_prompt(self, engine: LLMEngine, body: ChatCompletionRequest) -> PromptInput:
         self._check_chars(engine, sum(len(m.content or "") for m in body.messages), "messages")
         messages = [m.to_template() for m in body.messages]
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:
+            kwargs["tools"] = body.tool_dicts()
         try:
             token_ids = engine.tokenizer.apply_chat_template(
-                messages, body.add_generation_prompt, body.chat_template_kwargs)
+                messages, body.add_generation_prompt, kwargs)
         except Exception as exc:
             raise APIError(400, f"the chat template could not render these messages: "
                            f"{str(exc)[:200]}", "messages") from None
@@ -554,6 +603,31 @@ class OpenAIServing:
                    timer=self.state.metrics.timer(len(prompts) * body.n),
                    top_logprobs=top_logprobs, lora_request=self.state.config.lora_request(model),
                    structured_param=structured[1] if structured is not None else None)
+
+    def _tool_calling(self, body: ChatCompletionRequest, job: Job) -> None:
+        """Set up the job's tool calls: "required" and named functions
+        generate under a JSON schema (so the arguments always parse), "auto"
+        parses with the server's --tool-call-parser."""
+        mode = body.tool_mode
+        if mode is None:
+            return
+        kind, name = mode
+        parser = None
+        if kind == "auto":
+            if self.state.config.tool_call_parser is None:
+                raise APIError(400, "tool_choice 'auto' needs the server started with "
+                               "--tool-call-parser (hermes, llama3_json, mistral); "
+                               "'required' and named functions work without", "tool_choice")
+            parser = get_tool_parser(self.state.config.tool_call_parser)
+        elif job.structured_param is not None:
+            raise APIError(400, f"tool_choice '{kind}' constrains the output itself: drop "
+                           f"{job.structured_param}", "tool_choice")
+        else:
+            schema = forced_calls_schema(body.tool_dicts(), name, body.parallel_tool_calls)
+            for params in job.params:
+                params.structured_output = StructuredOutputParams(json=schema)
+            job.structured_param = "tools"
+        job.tools = ToolCalling(kind, name, parser, body.parallel_tool_calls)
 
     async def _compile_grammar(self, engine: LLMEngine, job: Job) -> None:
         """Compile the job's grammar in a worker thread (not on the event loop
