@@ -33,9 +33,10 @@ class KVCacheManager:
         """Longest cached prefix of full blocks for a request not yet holding any.
 
         At least one token is always left to compute, so the step that
-        follows produces the logits for the next token.
+        follows produces the logits for the next token. A request that wants
+        prompt logprobs not all in yet reads nothing (``awaits_prompt_logprobs``).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.awaits_prompt_logprobs:
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

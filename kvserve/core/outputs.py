@@ -61,12 +61,24 @@ class Logprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens ``first_index ..`` (``first_index >= 1``):
+    entry i is token ``first_index + i`` given the tokens before it, the
+    prompt token first (its ``sampled_rank`` its rank), then the top ones."""
+
+    first_index: int
+    entries: list[Logprobs]
+
+
+@dataclass
 class ModelRunnerOutput:
     """What one step produced, per scheduled request."""
 
     # request_id -> tokens sampled this step (empty for a partial prefill chunk)
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    # request_id -> logprobs of the prompt tokens this step's chunk predicts
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # device time of the step, from its first to its last kernel; the rest of
     # the steps' wall time is time the device waited for the host
     device_s: float = 0.0
@@ -87,6 +99,8 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] | None = None
+    # every prompt token's logprobs after the first, on the request's first output
+    prompt_logprobs: list[Logprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

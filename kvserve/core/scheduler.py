@@ -46,6 +46,7 @@ from kvserve.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 from kvserve.core.request import Request, RequestStatus
@@ -75,6 +76,8 @@ class Scheduler:
         self._send_whole: set[str] = set()
         # requests given an output placeholder by the step being scheduled
         self._sampling: set[str] = set()
+        # requests whose prompt logprobs are all in, to go with their next output
+        self._prompt_logprobs_ready: set[str] = set()
         self.num_preemptions = 0
 
     # ---------------------------------------------------------------- admission
@@ -100,6 +103,8 @@ class Scheduler:
             )
         request.max_num_tokens = total
         self.requests[request.request_id] = request
+        if request.prompt_logprobs is not None and not request.awaits_prompt_logprobs:
+            self._prompt_logprobs_ready.add(request.request_id)  # a 1-token prompt has none
         self._enqueue(request)
         self._send_whole.add(request.request_id)
 
@@ -135,6 +140,7 @@ class Scheduler:
         self.kv_manager.free(request)
         del self.requests[request.request_id]
         self._send_whole.discard(request.request_id)
+        self._prompt_logprobs_ready.discard(request.request_id)
         self._finished_ids.add(request.request_id)
 
     # ---------------------------------------------------------------- schedule
@@ -291,6 +297,9 @@ class Scheduler:
         outputs = []
         requests = self.requests
         logprobs = runner_output.logprobs
+        if runner_output.prompt_logprobs:
+            self._add_prompt_logprobs(runner_output.prompt_logprobs)
+        prompt_logprobs_ready = self._prompt_logprobs_ready
         for request_id, token_ids in runner_output.sampled_token_ids.items():
             request = requests.get(request_id)
             if request is None or not token_ids:
@@ -323,6 +332,9 @@ class Scheduler:
                 new_logprobs=logprobs.get(request_id) if logprobs else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
+            if prompt_logprobs_ready and request_id in prompt_logprobs_ready:
+                prompt_logprobs_ready.discard(request_id)
+                output.prompt_logprobs = request.prompt_logprobs
             if stopped:
                 output.finish_reason = request.status.finish_reason
                 output.stop_reason = request.stop_reason
@@ -330,6 +342,17 @@ class Scheduler:
                 self._free(request)
             outputs.append(output)
         return outputs
+
+    def _add_prompt_logprobs(self, chunks: dict[str, PromptLogprobs]) -> None:
+        """Keep each request's prompt-logprob chunk; one whose prompt's are now
+        all in is reported with its next output (its first token's)."""
+        for request_id, chunk in chunks.items():
+            request = self.requests.get(request_id)
+            if request is None or not request.awaits_prompt_logprobs:
+                continue  # finished, or a prompt computed again after preemption
+            request.add_prompt_logprobs(chunk)
+            if not request.awaits_prompt_logprobs:
+                self._prompt_logprobs_ready.add(request_id)
 
     # ---------------------------------------------------------------- stats
 

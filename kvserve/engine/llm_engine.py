@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.config import EngineConfig
-from kvserve.core.outputs import EngineCoreOutput
+from kvserve.core.outputs import EngineCoreOutput, Logprobs
 from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_core import EngineCore, Executor, create_executor
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.engine.structured_output import StructuredOutputCompiler
 from kvserve.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvserve.lora.request import LoRARequest
 
@@ -62,6 +63,8 @@ class _Tracked:
     # report only the finished request (offline generate): its text is then
     # decoded once at the end unless stop strings must be watched each step
     final_only: bool = False
+    # with prompt_logprobs: None for the first prompt token, then one dict each
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -81,6 +84,7 @@ class LLMEngine:
         self._core_to_sample: dict[str, tuple[_Tracked, _Sample]] = {}
         self._counter = itertools.count()
         self.step_s = 0.0  # wall time spent in step()
+        self._grammar_compiler: StructuredOutputCompiler | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, executor: Executor | None = None) -> LLMEngine:
@@ -133,6 +137,11 @@ class LLMEngine:
                 "tokens"
             )
         self._check_logprobs(params)
+        vocab_size = self.config.model_config.vocab_size
+        for token_id in params.logit_bias or {}:
+            if token_id >= vocab_size:
+                raise ValueError(f"logit_bias: token id {token_id} is out of range: must be in "
+                                 f"[0, {vocab_size - 1}]")
         params = params.with_eos_token_ids(self.eos_token_ids)
         if params.max_tokens is None:
             params.max_tokens = room
@@ -149,11 +158,28 @@ class LLMEngine:
         vocab_size = self.config.model_config.vocab_size
         limit = self.config.max_logprobs
         limit = vocab_size if limit == -1 else min(limit, vocab_size)
-        if params.logprobs is not None and params.logprobs > limit:
-            raise ValueError(
-                f"logprobs={params.logprobs} is invalid: this engine returns at most {limit} "
-                "top logprobs per token (max_logprobs, --max-logprobs)"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(
+                    f"{name}={value} is invalid: this engine returns at most {limit} "
+                    "top logprobs per token (max_logprobs, --max-logprobs)"
+                )
+
+    @property
+    def grammar_compiler(self) -> StructuredOutputCompiler:
+        """The structured-output compiler (built, and xgrammar imported, on first use)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = StructuredOutputCompiler(
+                self.tokenizer, self.config.model_config.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
+
+    def compile_grammar(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its structured output's grammar compiled and bound
+        (unchanged without one); ValueError when it cannot be compiled."""
+        if params.structured_output is None or params.grammar is not None:
+            return params
+        return params.with_grammar(self.grammar_compiler.compile(params.structured_output))
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check an adapter so requests can use it (a no-op once loaded).
@@ -188,7 +214,8 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request_id='{request_id}' is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
-        params = self.resolve_params(len(token_ids), params or SamplingParams())
+        params = self.compile_grammar(self.resolve_params(len(token_ids),
+                                                          params or SamplingParams()))
         lora_int_id = 0
         if lora_request is not None:
             self.add_lora(lora_request)
@@ -258,6 +285,10 @@ class LLMEngine:
             sample.token_ids.extend(new_ids)
             if core_output.new_logprobs is not None:
                 self._append_logprobs(sample, core_output)
+            if core_output.prompt_logprobs is not None and tracked.prompt_logprobs is None:
+                # every sample computes them, so a stream has them with any
+                # choice's first token; the first in is kept
+                tracked.prompt_logprobs = [None, *map(self._ranked, core_output.prompt_logprobs)]
             if sample.decode_at_end and core_output.finish_reason is None:
                 continue  # nothing to decode or report before it finishes
             delta_text = self._detokenize(sample, core_output, stopped)
@@ -314,12 +345,17 @@ class LLMEngine:
             sample.cumulative_logprob = 0.0
         assert core_output.new_logprobs is not None
         for entry in core_output.new_logprobs:
-            ranked: dict[int, Logprob] = {}
-            for position, (token_id, value) in enumerate(zip(entry.token_ids, entry.logprobs)):
-                rank = entry.sampled_rank if position == 0 else position
-                ranked.setdefault(token_id, Logprob(value, rank, self.tokenizer.decode([token_id])))
-            sample.logprobs.append(ranked)
+            sample.logprobs.append(self._ranked(entry))
             sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entry.logprobs[0]
+
+    def _ranked(self, entry: Logprobs) -> dict[int, Logprob]:
+        """One token's logprobs as ``{token_id: Logprob}``: the chosen token
+        first (with its rank), then the top ones (rank = position)."""
+        ranked: dict[int, Logprob] = {}
+        for position, (token_id, value) in enumerate(zip(entry.token_ids, entry.logprobs)):
+            rank = entry.sampled_rank if position == 0 else position
+            ranked.setdefault(token_id, Logprob(value, rank, self.tokenizer.decode([token_id])))
+        return ranked
 
     def _make_output(
         self, tracked: _Tracked, deltas: dict[int, tuple[str, list[int]]], finished: bool
@@ -346,6 +382,7 @@ class LLMEngine:
             request_id=tracked.request_id,
             prompt=tracked.prompt,
             prompt_token_ids=tracked.prompt_token_ids,
+            prompt_logprobs=tracked.prompt_logprobs,
             outputs=completions,
             finished=finished,
             metrics=tracked.metrics,

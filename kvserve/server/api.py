@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve import __version__
 from kvserve.server.metrics import CONTENT_TYPE
+from kvserve.server.openapi import openapi_document
 from kvserve.server.protocol import (
     INTERNAL_ERROR_MESSAGE,
     APIError,
@@ -89,7 +90,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return _error_response(APIError(exc.status_code, str(exc.detail)))
+        # a 405 keeps Starlette's Allow header (the route's methods)
+        return _error_response(APIError(exc.status_code, str(exc.detail),
+                                        headers=exc.headers))
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -151,6 +154,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return JSONResponse(openapi_document())
+
     @app.get("/version")
     async def version() -> Response:
         return JSONResponse({"version": __version__})
@@ -210,6 +217,11 @@ def _add_tokenizer_routes(app: FastAPI, state: ServerState, serving: OpenAIServi
         if body.return_token_strs:
             result["token_strs"] = tokenizer.convert_ids_to_tokens(token_ids)
         return JSONResponse(result)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        engine = state.require_engine()
+        return JSONResponse({**engine.tokenizer.info(), "model_max_length": engine.max_model_len})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

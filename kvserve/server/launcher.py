@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve import envs
+from kvserve.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from kvserve.lora.request import LoRARequest
@@ -68,6 +69,8 @@ def add_serve_parser(sub: Any) -> None:
     group.add_argument("--max-request-body-bytes", type=int,
                        default=DEFAULT_MAX_REQUEST_BODY_BYTES, help="larger bodies get 413")
     group.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="the cap on n")
+    group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="the model's tool-call format, for tool_choice 'auto'")
     group.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                        help="seconds to drain on SIGTERM before aborting what is left")
     group.add_argument("--engine-watchdog-s", type=float, default=DEFAULT_ENGINE_WATCHDOG_S,
@@ -168,7 +171,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         max_n=args.max_n, health_stall_s=args.health_stall_s,
-        shutdown_timeout_s=args.shutdown_timeout,
+        shutdown_timeout_s=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
     )
 
     def load() -> Any:

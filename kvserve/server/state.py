@@ -71,6 +71,8 @@ class ServerConfig:
     retry_after_s: int = 1
     # LoRA adapters a request selects by naming one in "model" (--lora-modules)
     lora_requests: list[LoRARequest] = field(default_factory=list)
+    # the tool-call format "auto" tool_choice parses (--tool-call-parser); None: refused
+    tool_call_parser: str | None = None
 
     @property
     def model_name(self) -> str:

@@ -7,7 +7,9 @@ request's random generator) updated from the scheduler's diffs, flattens the
 step's tokens of all requests into one batch in persistent buffers, builds
 the attention metadata once, runs the model (a decode step replays a CUDA
 graph when one is captured), computes logits only at the last position of
-each request that has caught up with its tokens, and samples. At start-up
+each request that has caught up with its tokens, and samples (prompt
+logprobs, when asked for, come from the prompt positions' hidden states:
+``worker/prompt_logprobs.py``). At start-up
 it profiles a largest step to size the KV cache. It owns the model, the KV
 cache tensors and the graphs; it knows nothing about queues, budgets or text.
 
@@ -52,8 +54,10 @@ from kvserve.sampling.sampler import (
     SamplerOutput,
     SamplingBatch,
     forbidden_token_ids,
+    logit_bias_triples,
     make_generator,
 )
+from kvserve.worker import prompt_logprobs
 from kvserve.worker.cuda_graph import CudaGraphs
 from kvserve.worker.input_batch import PersistentBatch, StepBuffers
 from kvserve.worker.kv_cache import (
@@ -62,6 +66,7 @@ from kvserve.worker.kv_cache import (
     check_weights_fit,
     min_kv_cache_bytes,
 )
+from kvserve.worker.structured_output import GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +136,7 @@ class PendingStep:
         self.output: ModelRunnerOutput | None = None
         self._read_oldest = read_oldest  # reads the runner's oldest unread step
         self.graphed, self.num_padding_tokens = graphed, num_padding_tokens
+        self.prompt_logprobs: prompt_logprobs.PromptLogprobsStep | None = None
 
     def get(self) -> ModelRunnerOutput:
         while self.output is None:
@@ -183,6 +189,13 @@ class ModelRunner:
         self.rows: dict[str, int] = {}
         # row -> generator of the seeded random requests
         self._generators: dict[int, torch.Generator] = {}
+        # held requests that want prompt logprobs and whose prompt is not done
+        # -> their prompt_logprobs (their steps replay no decode graph)
+        self._prompt_logprobs: dict[str, int] = {}
+        # held requests with a logit_bias (kept across preemption)
+        self._biased: set[str] = set()
+        # structured-output requests' grammar state (worker/structured_output.py)
+        self.matchers = GrammarMatchers(model_config.vocab_size)
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
         # wraps the LoRA-capable linears before any graph is captured
@@ -352,6 +365,8 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
+            self._biased.discard(request_id)
+            self.matchers.remove(request_id)
             self._free_row(request_id)
         for request_id in scheduler_output.preempted_request_ids:
             self._free_row(request_id)
@@ -363,6 +378,12 @@ class ModelRunner:
                                  new.num_computed_tokens, new.block_ids, new.sampling_params)
             if generator is not None and not new.sampling_params.is_greedy:
                 self._generators[row] = generator
+            if new.sampling_params.logit_bias:
+                self._biased.add(new.request_id)
+            if new.sampling_params.grammar is not None:
+                self.matchers.add(new.request_id, new.sampling_params.grammar)
+            if new.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprobs[new.request_id] = new.sampling_params.prompt_logprobs
             self.rows[new.request_id] = row
             self.states[new.request_id] = RunnerRequestState(
                 request_id=new.request_id,
@@ -379,6 +400,7 @@ class ModelRunner:
     def _free_row(self, request_id: str) -> None:
         """Give back the request's batch row, if it holds one."""
         row = self.rows.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         if row is None:
             return
         self.batch.free(row)
@@ -405,7 +427,9 @@ class ModelRunner:
         carried = np.flatnonzero(ends > batch.num_tokens[rows])
         carried_src = self._last_sample_index[rows[carried]]
         if len(carried) and ((carried_src < 0).any()
-                             or batch.needs_known_outputs(rows[carried]).any()):
+                             or batch.needs_known_outputs(rows[carried]).any()
+                             or (self.matchers and any(request_ids[i] in self.matchers
+                                                       for i in carried.tolist()))):
             self._read_all_steps()
             carried = np.flatnonzero(ends > batch.num_tokens[rows])
             carried_src = self._last_sample_index[rows[carried]]
@@ -418,7 +442,7 @@ class ModelRunner:
         padded_num_reqs, padded_num_tokens = num_reqs, int(num_scheduled.sum())
         # graphs hold the base model only: a step with an adapter runs eagerly
         if self.graphs is not None and not (lora_int_ids and any(lora_int_ids)):
-            if int(num_scheduled.max()) == 1:
+            if int(num_scheduled.max()) == 1 and not self._prompt_logprobs:
                 decode_size = self.graphs.decode_size(num_reqs)
             if decode_size is not None:
                 padded_num_reqs = padded_num_tokens = decode_size
@@ -484,8 +508,13 @@ class ModelRunner:
             index = {row: i for i, row in enumerate(row_list)}
             generators = {index[row]: generator for row, generator in self._generators.items()
                           if row in index}
+        biases = logit_bias_triples(
+            (i, self.states[request_id].sampling_params)
+            for i, request_id in enumerate(inputs.sample_request_ids)
+            if request_id in self._biased) if self._biased else []
+        bitmask = self.matchers.bitmask(inputs.sample_request_ids) if self.matchers else None
         return SamplingBatch.from_rows(batch.sampling.take(sample_rows), prompts, outputs,
-                                       forbidden, generators, self.device)
+                                       forbidden, generators, self.device, biases, bitmask)
 
     # ------------------------------------------------------------ step
 
@@ -506,6 +535,9 @@ class ModelRunner:
                  else None)
         if self.lora_manager is not None and inputs.lora_int_ids is not None:
             self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist())
+        prompt_plan = (prompt_logprobs.plan(self._prompt_logprobs, inputs.request_ids,
+                                            inputs.rows, inputs.num_scheduled, self.batch)
+                       if self._prompt_logprobs else None)
         start = self._mark()
         logits = sampled_ids = None
         if inputs.decode_graph_size is not None and self.graphs is not None:
@@ -521,6 +553,8 @@ class ModelRunner:
             assert inputs.input_ids is not None and inputs.positions is not None
             assert inputs.metadata is not None, "an eager step has its metadata"
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        prompt_step = (prompt_logprobs.compute(self.model, hidden, prompt_plan, self.device)
+                       if prompt_plan is not None else None)
         self.batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
         sampled = None
         if self._last_sampled is not None:
@@ -544,6 +578,7 @@ class ModelRunner:
                            self.batch.sampling.num_logprobs[sample_rows], host_tensors, start,
                            self._mark(), self._read_oldest_step, graphed,
                            inputs.num_padding_tokens)
+        step.prompt_logprobs = prompt_step
         self._unread.append(step)
         return step
 
@@ -592,6 +627,8 @@ class ModelRunner:
         output = ModelRunnerOutput(device_s=device_s, graphed=step.graphed,
                                    num_padding_tokens=step.num_padding_tokens)
         step.output = output
+        if step.prompt_logprobs is not None:
+            output.prompt_logprobs = step.prompt_logprobs.read()
         if not step.host_tensors:
             return
         token_ids = step.host_tensors[0].numpy()
@@ -601,6 +638,8 @@ class ModelRunner:
             request_id: [token_id]
             for request_id, token_id in zip(step.request_ids, token_ids.tolist(), strict=True)
         }
+        if self.matchers:
+            self.matchers.accept(output.sampled_token_ids)
         if len(step.host_tensors) == 1:
             return
         ids, values = step.host_tensors[1].tolist(), step.host_tensors[2].tolist()
