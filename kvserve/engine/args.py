@@ -207,7 +207,7 @@ class EngineArgs:
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
-            distributed_timeout_s=self.distributed_timeout_s, all_reduce=self.all_reduce,
+            distributed_timeout_s=float(self.distributed_timeout_s), all_reduce=self.all_reduce,
             **nodes,  # type: ignore[arg-type]
         )
 

@@ -67,6 +67,14 @@ def create_executor(config: EngineConfig) -> Executor:
     return create_model_runner(config)
 
 
+def run_worker_node(config: EngineConfig) -> int:
+    """Run the workers of a node other than node 0 of a multi-node engine
+    until the engine stops; the exit status (imported lazily, as above)."""
+    from kvserve.worker.node_agent import run_node_agent
+
+    return run_node_agent(config)
+
+
 class EngineCore:
     """Schedules, executes and reports, one step at a time."""
 

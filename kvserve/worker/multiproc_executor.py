@@ -77,6 +77,10 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         parallel = config.parallel_config
+        if parallel.node_rank != 0:
+            raise ValueError(
+                f"node_rank={parallel.node_rank}: only node 0 runs the engine; start the other "
+                "nodes with `kvserve serve ... --node-rank N`, which runs their workers")
         self.layout = RankLayout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.timeout_s = parallel.distributed_timeout_s
         self.failure: str | None = None
@@ -107,9 +111,9 @@ class MultiprocExecutor:
             raise
         self.num_kv_blocks = int(self.figures[0]["num_kv_blocks"])
         for f in self.figures:
-            logger.info("rank %d (TP rank %d, stage %d) on %s: weights %.2f GB, profiled step "
-                        "%.2f GB, KV %.2f GB for %d layers x %d KV heads, %d blocks, ready in "
-                        "%.1f s", f["rank"], f["tp_rank"], f["pp_rank"], f["device"],
+            logger.info("rank %d (TP rank %d, stage %d, pid %d) on %s: weights %.2f GB, profiled "
+                        "step %.2f GB, KV %.2f GB for %d layers x %d KV heads, %d blocks, ready "
+                        "in %.1f s", f["rank"], f["tp_rank"], f["pp_rank"], f["pid"], f["device"],
                         f["weights_gb"], f["peak_step_gb"], f["kv_gb"], f["num_layers"],
                         f["num_kv_heads"], f["num_kv_blocks"], f["startup_s"])
 
@@ -129,10 +133,13 @@ class MultiprocExecutor:
                     if kind != "hello" or not 0 <= rank < world or rank in accepted:
                         raise WorkerFailedError(f"an unexpected control message {kind!r} from "
                                                 f"rank {rank}")
-                    if fingerprint != config_fingerprint(self.config):
+                    ours = config_fingerprint(self.config)
+                    differ = [name for name in ours if fingerprint.get(name) != ours[name]]
+                    if differ:
                         raise ValueError(
-                            f"rank {rank} runs another engine configuration than node 0: start "
-                            "every node with the same model and engine flags")
+                            f"rank {rank} runs another engine configuration than node 0 "
+                            f"({', '.join(differ)} differ): start every node with the same "
+                            "model and engine flags")
                     accepted[rank] = conn
             except BaseException as exc:  # closing the listener ends a waiting accept
                 errors.append(exc)

@@ -64,13 +64,14 @@ AUTHKEY_KEY = "kvserve/authkey"  # its key (hex)
 PG_PREFIX = "kvserve/pg/"
 
 
-def config_fingerprint(config: EngineConfig) -> str:
-    """What every node's engine configuration must agree on (paths and the
-    node's own rank may differ)."""
-    parallel = replace(config.parallel_config, node_rank=0)
-    return repr((config.model_config, config.cache_config, config.scheduler_config,
-                 config.lora_config, parallel, config.dtype, config.load_format, config.seed,
-                 config.attention_backend, config.cuda_graph_sizes, config.cuda_graph_token_sizes))
+def config_fingerprint(config: EngineConfig) -> dict[str, str]:
+    """What every node's engine configuration must agree on, by field (paths
+    and the node's own rank may differ)."""
+    fields = {name: getattr(config, name) for name in (
+        "model_config", "cache_config", "scheduler_config", "lora_config", "dtype",
+        "load_format", "seed", "attention_backend", "cuda_graph_sizes", "cuda_graph_token_sizes")}
+    fields["parallel_config"] = replace(config.parallel_config, node_rank=0)
+    return {name: repr(value) for name, value in fields.items()}
 
 
 @dataclass
@@ -128,7 +129,7 @@ def stop_processes(workers: list[WorkerProcess], timeout_s: float) -> None:
         worker.lifeline.close()
 
 
-def connect_control(store: Any, rank: int, fingerprint: str) -> Connection:
+def connect_control(store: Any, rank: int, fingerprint: dict[str, str]) -> Connection:
     """Connect to the engine's control listener (its address and key from the
     store) and say who this is."""
     host, _, port = store.get(CONTROL_KEY).decode().rpartition(":")
@@ -218,7 +219,8 @@ class Worker:
         kv_bytes = sum(cache.numel() * cache.element_size() for cache in runner.kv_caches)
         figures = {
             "rank": args.rank, "tp_rank": layout.tp_rank, "pp_rank": layout.pp_rank,
-            "device": str(device), "weights_gb": weights_bytes / 1e9, "kv_gb": kv_bytes / 1e9,
+            "pid": os.getpid(), "device": str(device), "weights_gb": weights_bytes / 1e9,
+            "kv_gb": kv_bytes / 1e9,
             "num_kv_blocks": runner.num_kv_blocks, "peak_step_gb": runner.reserved_bytes / 1e9,
             "num_layers": runner.kv_spec.num_layers, "num_kv_heads": runner.kv_spec.num_kv_heads,
             "startup_s": time.perf_counter() - start,

@@ -7,8 +7,10 @@ under stress: prefill chunks of a few tokens, a KV pool small enough to
 preempt, prompts sharing a prefix (cache hits), async scheduling on and off
 (on is the default with workers), INT8 weights, LoRA adapters, seeded
 sampling. Also: the split is checked before any process starts, a worker's
-ValueError at start-up is the engine's, and a worker killed with SIGKILL
-fails the engine (every later call too) and leaves no process behind.
+ValueError at start-up is the engine's, a worker killed with SIGKILL
+fails the engine (every later call too) and leaves no process behind, and
+two "nodes" on this machine (``kvserve serve --node-rank 1`` beside the
+engine) give the same tokens.
 The first engine of a session waits ~10 s for the forkserver to import
 torch; later ones start in about a second.
 """
@@ -17,6 +19,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -187,3 +192,39 @@ def test_a_killed_worker_fails_the_engine_and_leaves_no_process(
     while any(_alive(pid) for pid in pids if pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids if pid)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine(
+    tiny_checkpoint: Callable[[str], Path], reference: Callable[[str], list[list[int]]],
+    tmp_path: Path, started: list[LLM],
+) -> None:
+    path, port = tiny_checkpoint("llama"), _free_port()
+    nodes = {"nnodes": 2, "master_addr": "127.0.0.1", "master_port": port}
+    flags = ["--model", str(path), "--device", "cpu", "--tensor-parallel-size", "2",
+             "--distributed-timeout-s", "60", "--node-rank", "1"]
+    for key, value in {**nodes, **STRESS}.items():
+        flags += [f"--{key.replace('_', '-')}", str(value)]
+    root = Path(__file__).resolve().parents[2]
+    with open(tmp_path / "node1.log", "wb") as log:
+        node1 = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", *flags],
+                                 stdout=log, stderr=subprocess.STDOUT, cwd=root,
+                                 env={**os.environ, "PYTHONPATH": str(root)},
+                                 start_new_session=True)
+    try:
+        llm = parallel_llm(path, 2, 1, node_rank=0, **nodes, **STRESS)
+        started.append(llm)
+        assert [w.rank for w in llm.engine.core.executor.workers] == [0]  # rank 1 is node 1's
+        assert token_ids(llm) == reference("llama")
+        llm.engine.core.shutdown()
+        assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+            node1.wait(10)
