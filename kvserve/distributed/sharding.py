@@ -219,7 +219,7 @@ def smallest_fitting_sizes(config: ModelConfig, element_bytes: int, budget_bytes
             if need <= budget_bytes:
                 fits.append((tp, pp, need))
         if fits:
-            return fits
+            return sorted(fits, key=lambda fit: fit[1])  # tensor parallelism first
     return []
 
 

@@ -86,6 +86,11 @@ def check_split_engine(path: Path, tp: int, pp: int, expected: list[list[int]],
                        engines: list[LLM], **kwargs: Any) -> LLM:
     llm = parallel_llm(path, tp, pp, **{**STRESS, **kwargs})
     engines.append(llm)
+    # each rank reports its share: its stage's layers, its KV heads
+    figures = llm.engine.core.executor.figures
+    config = llm.engine.config.model_config
+    assert sum(f["num_layers"] for f in figures) == config.num_layers * tp
+    assert {f["num_kv_heads"] for f in figures} == {max(1, config.num_kv_heads // tp)}
     assert token_ids(llm) == expected
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
