@@ -50,8 +50,9 @@ class Executor(Protocol):
 
     def add_lora(self, lora_request: LoRARequest) -> None: ...
 
-    def shutdown(self) -> None:
-        """Stop whatever the executor started (worker processes); idempotent."""
+    def shutdown(self, kill: bool = False) -> None:
+        """Stop whatever the executor started (worker processes; ``kill``: at
+        once, without waiting for them); idempotent."""
 
 
 def create_executor(config: EngineConfig) -> Executor:
@@ -147,9 +148,9 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests or bool(self._in_flight)
 
-    def shutdown(self) -> None:
-        """Stop the executor's processes, if it has any."""
-        self.executor.shutdown()
+    def shutdown(self, kill: bool = False) -> None:
+        """Stop the executor's processes, if it has any (``kill``: at once)."""
+        self.executor.shutdown(kill)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id)

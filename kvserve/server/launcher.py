@@ -179,7 +179,10 @@ def run_serve(args: argparse.Namespace) -> int:
                 args.port, engine_config.model)
     server.run()
     if state.exit_code:
-        # the engine thread may be stuck in a forward that never returns
+        # the engine thread may be stuck in a forward that never returns; worker
+        # processes (tensor / pipeline parallelism) are killed, not waited for
+        if state.engine is not None:
+            state.engine.core.shutdown(kill=True)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -65,9 +65,12 @@ class CudaGraphs:
         self, model: CausalLM, buffers: StepBuffers, decode_sizes: tuple[int, ...],
         token_sizes: tuple[int, ...], max_model_len: int,
         argmax: Callable[[torch.Tensor], torch.Tensor] | None,
-        intermediate: torch.Tensor | None = None,
+        intermediate: torch.Tensor | None = None, collectives: bool = False,
     ) -> None:
         self.model = model
+        # the forward runs TP collectives: capture in thread-local mode, so that
+        # NCCL's watchdog thread querying its events cannot invalidate a capture
+        self.capture_mode = "thread_local" if collectives else "global"
         self.buffers = buffers
         # [R, vocab] logits -> [R] greedy token ids; None: no logits (not the last stage)
         self.argmax = argmax
@@ -153,9 +156,11 @@ class CudaGraphs:
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.token_sizes):
-            self.token_graphs[size], self.hidden[size] = _capture(self._token_forward, size, pool)
+            self.token_graphs[size], self.hidden[size] = _capture(self._token_forward, size, pool,
+                                                                  self.capture_mode)
         for size in reversed(self.decode_sizes):
-            self.decode_graphs[size], self.logits[size] = _capture(self._decode_forward, size, pool)
+            self.decode_graphs[size], self.logits[size] = _capture(self._decode_forward, size,
+                                                                   pool, self.capture_mode)
         torch.cuda.synchronize()
         self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(
@@ -176,7 +181,8 @@ class CudaGraphs:
         return self.hidden[size]
 
 
-def _capture(forward: Callable[[int], T], size: int, pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
+def _capture(forward: Callable[[int], T], size: int, pool: Any,
+             capture_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, T]:
     """A graph of ``forward(size)`` in ``pool`` (a ``torch.cuda.graph_pool_handle()``),
     and its static output."""
     # compiles and autotunes kernels outside the capture, and warms the
@@ -188,7 +194,7 @@ def _capture(forward: Callable[[int], T], size: int, pool: Any) -> tuple[torch.c
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_mode):
         output = forward(size)
     return graph, output
 

@@ -1,6 +1,6 @@
 """Builds the in-process executor (one ``ModelRunner`` on one device) from an
 ``EngineConfig``: picks the device and dtype, loads the model, sizes the KV
-cache. Tensor/pipeline-parallel executors will live beside it."""
+cache. The tensor / pipeline-parallel one is ``multiproc_executor.py``."""
 
 from __future__ import annotations
 

@@ -286,7 +286,7 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
         bind_kv_cache(self.model, self.kv_caches, self.backend)
 
-    def shutdown(self) -> None:
+    def shutdown(self, kill: bool = False) -> None:
         """Nothing to stop: the runner lives in the engine's process."""
 
     def append_known_tokens(self, token_ids: dict[str, list[int]]) -> None:
@@ -313,7 +313,7 @@ class ModelRunner:
         self.graphs = CudaGraphs(self.model, self.buffers, self.cuda_graph_sizes,
                                  self.cuda_graph_token_sizes, self.scheduler_config.max_model_len,
                                  self.sampler.argmax if self.samples else None,
-                                 self.intermediate)
+                                 self.intermediate, collectives=self.parallel.tp.size > 1)
         self.graphs.capture()
 
     # ------------------------------------------------------------ profiling

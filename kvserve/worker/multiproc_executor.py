@@ -258,9 +258,11 @@ class MultiprocExecutor:
 
     def _death_notice(self, rank: int) -> str:
         for worker in self.workers:
-            if worker.rank == rank and worker.process.exitcode is not None:
-                return f"worker rank {rank} (pid {worker.process.pid}) exited with code " \
-                       f"{worker.process.exitcode}"
+            if worker.rank == rank:
+                worker.process.join(1.0)  # its connection may close just before it exits
+                if worker.process.exitcode is not None:
+                    return (f"worker rank {rank} (pid {worker.process.pid}) exited with code "
+                            f"{worker.process.exitcode}")
         return f"worker rank {rank} closed its connection (it died)"
 
     def _raise_if_failed(self) -> None:

@@ -169,6 +169,9 @@ def worker_main(args: WorkerArgs, lifeline: Connection) -> None:
         os._exit(1)
     try:
         worker.serve(conn)
+    except EOFError:  # the engine closed the connection without a stop: it is gone
+        logger.warning("the engine's connection closed; exiting")
+        os._exit(1)
     except BaseException:
         logger.exception("worker failed")
         conn.send(("error", args.rank, traceback.format_exc()))
