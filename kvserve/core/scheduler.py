@@ -28,9 +28,10 @@ rest of their bookkeeping.
 
 With ``pipeline_parallel_size`` stages the engine keeps that many steps in
 flight, one per stage. A request's next step needs the token its last one
-samples, so a request with a step in flight is not scheduled again (no
-placeholder lookahead), and each step takes at most ``1 / stages`` of the
-requests that could run, so the in-flight steps stay about the same size.
+samples, so a request whose sampled token is in flight is not scheduled
+again (no placeholder lookahead; a prompt's chunks may follow each other,
+as every stage runs the steps in order), and each step takes at most
+``1 / stages`` of the requests that could run, so the steps stay even.
 
 With ``step_token_sizes`` (the token counts the runner has CUDA graphs for)
 the last prompt chunk admitted to a step is trimmed so that the step ends on
