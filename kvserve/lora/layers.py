@@ -58,15 +58,16 @@ class LoRALinear(nn.Module):
     def __init__(
         self,
         base: Linear,
-        slices: Sequence[LoRASlice],
+        slices: Sequence[LoRASlice | tuple[str, int, int]],
         max_loras: int,
         max_rank: int,
         batch: LoRABatch,
     ) -> None:
-        """``slices`` in output order."""
+        """``slices`` in output order: ``LoRASlice`` or ``(HF module name, offset,
+        size)`` of a linear one process holds whole."""
         super().__init__()
         self.base = base
-        self.slices = list(slices)
+        self.slices = [LoRASlice(*piece) for piece in slices]
         self.batch = batch
         dtype, device = base.params_dtype, base.device
         self.lora_a: torch.Tensor  # [num_slices, max_loras, max_rank, input_size]
