@@ -215,7 +215,7 @@ class MultiprocExecutor:
             try:
                 conn.send_bytes(payload)
             except OSError as exc:
-                self._fail(f"rank {rank} is gone ({exc!r})")
+                self._fail(f"{self._death_notice(rank)} ({exc!r})")
 
     def _dispatch(self, messages: list[tuple[int, tuple[Any, ...]]]) -> None:
         for rank, message in messages:
