@@ -4,7 +4,9 @@ sm_90 (Hopper) with no GPU: ``python -m tests.compile_kernels_sm90`` (run by
 ``TRITON_INTERPRET``). Every variant of the launchers' constexprs that the
 interpreter tests cannot reach is built: the programmatic-dependent-launch
 branches, and the compiler's own rules (a jit helper must return one type
-from all of its branches), which the interpreter does not enforce."""
+from all of its branches), which the interpreter does not enforce. The
+quantised GEMMs are built with their inline PTX and with the 16-byte
+alignment hints a real launch specialises on (``build_quant_matmul``)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvserve.kernels.paged_attention import decode_attention_kernel
+from kvserve.kernels.quant_matmul_kernels import (
+    quant_dequant_kernel,
+    quant_dot_kernel,
+    quant_fma_kernel,
+)
 from kvserve.kernels.rms_norm import rms_norm_kernel
 from kvserve.kernels.rope_store_kv import rope_store_kv_kernel
 from kvserve.kernels.skinny_gemm import skinny_matmul_kernel
@@ -25,13 +32,55 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def build(fn: Any, pointers: dict[str, str], constexprs: dict[str, Any], floats: tuple[str, ...],
-          **options: int) -> None:
+          divisible: tuple[str, ...] = (), **options: int) -> None:
     """Compile ``fn`` to a cubin: pointer args of the given types, float args
-    ``floats``, every other runtime arg an int32."""
+    ``floats``, every other runtime arg an int32; args in ``divisible`` carry
+    the divisible-by-16 hint a launch gives aligned pointers and sizes."""
     signature = {name: pointers.get(name, "fp32" if name in floats else "i32")
                  for name in fn.arg_names if name not in constexprs}
-    triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=HOPPER,
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name in divisible if name in signature}
+    triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=HOPPER,
                    options=options)
+
+
+def build_quant_matmul() -> None:
+    """The quantised GEMMs (``kernels/quant_matmul.py``): each path at INT4 and
+    INT8, per group and per channel, symmetric and with zeros; the decode
+    variants with PDL (one- and two-tile preloads) and a masked last K step;
+    the fused gate; the dot kernel's wgmma, mma.sync and multi-group tiles."""
+    pointers = {name: "*bf16" for name in ("x_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr")}
+    pointers["qw_ptr"] = "*u8"
+    aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "N", "K",
+               "stride_xm", "stride_qn")
+    common = dict(HAS_BIAS=True, ASM=True)
+    for bits, per_channel, zeros in itertools.product((4, 8), (False, True), (False, True)):
+        weight = dict(BITS=bits, GROUP=1 if per_channel else 32, PER_CHANNEL=per_channel,
+                      HAS_ZEROS=zeros)
+        build(quant_fma_kernel, pointers, dict(
+            **weight, **common, BLOCK_N=16, BLOCK_K=1024 // (8 // bits), EVEN_K=False,
+            NUM_STAGES=3, GATED=False, PDL=True, PRELOAD=2), (), aligned,
+              num_warps=2, num_stages=3)
+        build(quant_dot_kernel, pointers, dict(  # BLOCK_K 128: four groups of 32 a step
+            **weight, **common, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8,
+            EVEN_K=False, NUM_STAGES=4, GATED=False, PDL=True, PRELOAD=2), (), aligned,
+              num_warps=4, num_stages=4)
+        build(quant_dequant_kernel, pointers | {"out_ptr": "*fp16"}, dict(
+            **weight, BLOCK_N=16, BLOCK_K=512, EVEN_K=False, ASM=True), (), aligned,
+              num_warps=4)
+    for bits in (4, 8):
+        weight = dict(BITS=bits, GROUP=128, PER_CHANNEL=False, HAS_ZEROS=True)
+        build(quant_fma_kernel, pointers, dict(
+            **weight, **common, BLOCK_N=16, BLOCK_K=512, EVEN_K=True, NUM_STAGES=3,
+            GATED=True, PDL=True, PRELOAD=1), (), aligned, num_warps=2, num_stages=3)
+        build(quant_dot_kernel, pointers, dict(  # mma.sync (one warp), gated, no PDL
+            **weight, **common, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, GROUP_M=8, EVEN_K=True,
+            NUM_STAGES=4, GATED=True, PDL=False, PRELOAD=1), (), aligned,
+              num_warps=1, num_stages=4)
+        build(quant_dot_kernel, pointers, dict(  # the tile GEMM
+            **weight, **common, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 // (8 // bits),
+            GROUP_M=8, EVEN_K=True, NUM_STAGES=3, GATED=False, PDL=False, PRELOAD=1), (),
+              aligned, num_warps=8, num_stages=3)
 
 
 def main() -> None:
@@ -70,6 +119,7 @@ def main() -> None:
             BLOCK_SIZE=16, GROUP=4, GROUP_PAD=4, HALF=rotary_dim // 2, HALF_PAD=rotary_dim // 2,
             HEAD_DIM=128, HEAD_DIM_PAD=128, TAIL_PAD=max(128 - rotary_dim, 1)), ())
     build(store_kv_kernel, kv_pointers, dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128), ())
+    build_quant_matmul()
     print("compiled for sm_90")
 
 

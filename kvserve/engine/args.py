@@ -28,7 +28,8 @@ from kvserve.config import (
 from kvserve.distributed.sharding import check_split
 from kvserve.engine.tokenizer import has_tokenizer
 from kvserve.models.source import resolve_model_config
-from kvserve.quant.config import QUANTIZE_AT_LOAD, quantize_at_load
+from kvserve.quant.config import QUANTIZE_AT_LOAD
+from kvserve.quant.formats import QUANTIZATION_CHOICES, read_quantize_config, resolve_quantization
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 LOAD_FORMATS = ("auto", "dummy")
@@ -134,7 +135,7 @@ class EngineArgs:
         if self.device not in DEVICES:
             raise ValueError(f"device='{self.device}' is invalid: must be one of {DEVICES}")
         model_config, path = resolve_model_config(model)
-        model_config = self._quantization(model_config)
+        model_config = self._quantization(model_config, path)
         parallel_config = self._parallel_config()
         check_split(model_config, parallel_config.tensor_parallel_size,
                     parallel_config.pipeline_parallel_size)
@@ -211,19 +212,19 @@ class EngineArgs:
             **nodes,  # type: ignore[arg-type]
         )
 
-    def _quantization(self, model_config: ModelConfig) -> ModelConfig:
-        """``model_config`` with the weight quantisation ``quantization`` asks for."""
+    def _quantization(self, model_config: ModelConfig, path: Path | None) -> ModelConfig:
+        """``model_config`` with the weight quantisation to serve it with: the
+        checkpoint's own, or what ``quantization`` asks for (checked against it)."""
         if self.quantize_lm_head and self.quantization not in QUANTIZE_AT_LOAD:
             raise ValueError(
                 f"quantize_lm_head=True needs a quantization that rounds at load "
                 f"({', '.join(QUANTIZE_AT_LOAD)}); got quantization={self.quantization!r}"
             )
-        if self.quantization is None:
-            return model_config
-        return dataclasses.replace(
-            model_config,
-            quantization=quantize_at_load(self.quantization, self.quantize_lm_head),
-        )
+        source = str(path / "config.json") if path is not None else "the preset"
+        quantize_config = read_quantize_config(path) if path is not None else None
+        quantization = resolve_quantization(model_config.hf_config, self.quantization, source,
+                                            quantize_config, self.quantize_lm_head)
+        return dataclasses.replace(model_config, quantization=quantization)
 
     def _cuda_graph_sizes(self) -> tuple[int, ...]:
         if self.cuda_graph_sizes is None:
@@ -294,11 +295,11 @@ class EngineArgs:
                            default=None,
                            help="schedule the next step while the current one runs "
                                 "(default: on with CUDA, off on the CPU)")
-        group.add_argument("--quantization", "-q", default=None,
-                           choices=tuple(QUANTIZE_AT_LOAD),
-                           help="round a 16-bit checkpoint's linears to weight-only INT8 "
-                                "(per channel) or INT4 (groups of 128, or -g32 / -g64) as "
-                                "it loads")
+        group.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
+                           help="weight quantisation: gptq | awq | compressed-tensors check "
+                                "the checkpoint's own (detected when unset); int8 (per "
+                                "channel) or int4 (groups of 128, or -g32 / -g64) round a "
+                                "16-bit checkpoint's linears as it loads")
         group.add_argument("--quantize-lm-head", action="store_true",
                            help="with --quantization, quantise the LM head too "
                                 "(untied heads only)")

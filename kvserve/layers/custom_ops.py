@@ -3,7 +3,8 @@
 ``RMSNorm``, ``SiluAndMul``, ``RotaryEmbedding``, ``Linear`` (and its
 subclasses) and ``LMHead`` each carry a ``use_triton`` flag (False by
 default, so CPU runs never import Triton);
-``set_triton_ops`` sets it on every such module of a model. The model runner
+``set_triton_ops`` sets it on every such module of a model (through a
+linear's ``quant_method``, which may rearrange its weights for its kernels). The model runner
 turns it on with the Triton attention backend on CUDA. This module owns only
 the flag flipping, not the kernels (``kvserve/kernels``) nor the choice of
 when to use them.
@@ -24,7 +25,7 @@ from kvserve.layers.rotary import RotaryEmbedding
 TRITON_LAYERS = (RMSNorm, SiluAndMul, RotaryEmbedding, Linear, LMHead)
 TRITON_KERNEL_MODULES = (
     "kvserve.kernels.rms_norm", "kvserve.kernels.activation", "kvserve.kernels.rotary",
-    "kvserve.kernels.skinny_gemm",
+    "kvserve.kernels.skinny_gemm", "kvserve.kernels.quant_matmul",
 )
 
 
@@ -41,6 +42,10 @@ def set_triton_ops(model: nn.Module, enabled: bool) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, TRITON_LAYERS):
-            module.use_triton = enabled
+            method = getattr(module, "quant_method", None)
+            if method is not None:  # a linear may hold its weights as its kernels want
+                method.set_use_triton(module, enabled)
+            else:
+                module.use_triton = enabled
             count += 1
     return count

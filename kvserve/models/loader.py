@@ -23,9 +23,8 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.layers.norm import RMSNorm
 from kvserve.models.registry import CausalLM, get_model_class
-from kvserve.quant.config import QuantConfig
+from kvserve.quant.formats.stream import quantized_stream
 from kvserve.quant.methods import LinearMethod
-from kvserve.quant.packing import quantize_rtn
 
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_STD = 0.02
@@ -92,9 +91,9 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         weights = iter_safetensors(files)
-        if config.quantization is not None and config.quantization.checkpoint_format is None:
-            weights = round_at_load(weights, config.quantization, model.linear_module_names(),
-                                    dtype, device)
+        if config.quantization is not None:  # converted into kvserve's packed layout
+            weights = quantized_stream(config.quantization, weights,
+                                       model.linear_module_names().__contains__, dtype, device)
         model.load_weights(weights)
     for module in model.modules():
         method: LinearMethod | None = getattr(module, "quant_method", None)
@@ -102,26 +101,6 @@ def load_model(
             method.process_weights_after_loading(module)
     model.eval()
     return model
-
-
-def round_at_load(
-    weights: Iterator[tuple[str, torch.Tensor]], quant: QuantConfig, linear_names: set[str],
-    dtype: torch.dtype, device: torch.device,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The 16-bit ``weight`` of every linear ``quant`` quantises, rounded to
-    nearest on ``device`` and renamed to the packed layout's tensors; the
-    other tensors as they come."""
-    for name, tensor in weights:
-        module = name.removesuffix(".weight")
-        if module == name or module not in linear_names or not quant.quantizes(module):
-            yield name, tensor
-            continue
-        qw = quantize_rtn(tensor.to(device), quant.bits, quant.group_size, quant.symmetric,
-                          scale_dtype=dtype)
-        yield f"{module}.qweight", qw.qweight
-        yield f"{module}.scales", qw.scales
-        if qw.zeros is not None:
-            yield f"{module}.zeros", qw.zeros
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -11,14 +11,19 @@ delegates the rest:
   shards by rows whatever the method;
 - ``init_dummy`` fills them with seeded random weights (``load_format="dummy"``);
 - ``process_weights_after_loading`` checks and finishes them once loaded;
+- ``set_use_triton`` switches the layer between its torch reference and its
+  Triton kernels (``layers/custom_ops.py``), rearranging the weights if the
+  kernels want another layout;
 - ``apply`` / ``apply_gated`` run the matmul.
 
 ``UnquantizedLinearMethod`` holds a 16-bit ``weight [N, K]`` (``F.linear``,
 or the skinny Triton GEMM for one row). ``WeightOnlyLinearMethod`` holds
 kvserve's packed layout (``quant/packing.py``: ``qweight``, ``scales``,
-``zeros`` unless symmetric, ``perm`` with act-order) and runs the Triton
-kernels of ``kernels/quant_matmul.py`` under ``use_triton`` on CUDA, else
-the torch reference (dequantise, one float32 matmul). Loading checkpoints
+``zeros`` unless symmetric, ``perm`` with act-order); with ``use_triton`` it
+holds them in the kernels' layout instead (``repack_for_kernels``: INT4
+nibbles reordered, scales and zeros group-major) and runs the Triton kernels
+of ``kernels/quant_matmul.py``, else the torch reference (dequantise, one
+float32 matmul). Loading checkpoints
 of other layouts is not done here: ``quant/formats`` converts them first.
 A method's parameters are set on the layer by name, so ``layer`` is typed
 ``Any`` here.
@@ -66,6 +71,10 @@ class LinearMethod:
         checkpoint tensor: ``(start, size, full size)`` along dim 1, or None when
         every rank takes it whole."""
         raise NotImplementedError
+
+    def set_use_triton(self, layer: Any, enabled: bool) -> None:
+        """Run ``layer`` on its Triton kernels (or its torch reference)."""
+        layer.use_triton = enabled
 
     def apply(
         self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None
@@ -198,22 +207,38 @@ class WeightOnlyLinearMethod(LinearMethod):
                 raise ValueError("quantization: an act-order perm is not a permutation of "
                                  f"the {layer.input_size} input columns")
 
+    def set_use_triton(self, layer: Any, enabled: bool) -> None:
+        """Rearrange the weights into the kernels' layout (or back), in place."""
+        if enabled != layer.use_triton:
+            from kvserve.kernels import quant_matmul as kernels
+
+            if enabled:
+                tensors = kernels.repack_for_kernels(layer.qweight, layer.scales, layer.zeros,
+                                                     self.bits, self.group_size(layer))
+            else:
+                tensors = kernels.unpack_from_kernels(layer.qweight, layer.scales, layer.zeros,
+                                                      self.bits)
+            for name, tensor in zip(("qweight", "scales", "zeros"), tensors, strict=True):
+                if tensor is not None:
+                    getattr(layer, name).data = tensor
+        layer.use_triton = enabled
+
     def apply(
         self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if layer.use_triton and x.is_cuda:
-            from kvserve.kernels.quant_matmul import quant_matmul
+        if not layer.use_triton:
+            return quantized_linear_reference(x, self.quantized_weight(layer), bias)
+        from kvserve.kernels.quant_matmul import quant_matmul
 
-            if layer.perm is not None:
-                x = x.index_select(-1, layer.perm)
-            return quant_matmul(x, layer.qweight, layer.scales, layer.zeros, self.bits,
-                                self.group_size(layer), bias)
-        return quantized_linear_reference(x, self.quantized_weight(layer), bias)
+        if layer.perm is not None:
+            x = x.index_select(-1, layer.perm)
+        return quant_matmul(x, layer.qweight, layer.scales, layer.zeros, self.bits,
+                            self.group_size(layer), bias)
 
     def apply_gated(
         self, layer: Any, gate_up: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
-        if not (layer.use_triton and gate_up.is_cuda and layer.perm is None):
+        if not layer.use_triton or layer.perm is not None:
             return None
         from kvserve.kernels.quant_matmul import quant_matmul
 

@@ -105,7 +105,7 @@ def test_quantization_flags_are_checked(tiny_checkpoint: Callable[[str], Path]) 
         LLM(quantize_lm_head=True)
     with pytest.raises(ValueError, match="lm_head is tied"):
         LLM(quantization="int8", quantize_lm_head=True)  # the bundled model ties its head
-    with pytest.raises(ValueError, match="quantization='int3' does not quantise at load"):
+    with pytest.raises(ValueError, match="quantization='int3' is not supported; allowed: gptq"):
         LLM(quantization="int3")
     with pytest.raises(ValueError, match="multiple of the group size 128"):
         LLM(model=str(tiny_checkpoint("llama")), quantization="int4")  # hidden size 64

@@ -241,3 +241,41 @@ def test_lora_wraps_a_quantised_base(tiny_checkpoint: Callable[[str], Path],
     assert manager.linears
     after = PagedRunner(model, config).step({0: tokens})[0]
     torch.testing.assert_close(after, before)  # no adapter in the batch: the base alone
+
+
+@pytest.mark.parametrize(("bits", "group_size", "symmetric"),
+                         [(4, 32, True), (4, -1, False), (8, -1, True)])
+def test_triton_kernels_in_the_layer_match_the_reference(
+    bits: int, group_size: int, symmetric: bool
+) -> None:
+    """Under ``set_triton_ops`` a quantised linear holds the kernels' layout and
+    runs ``quant_matmul`` (the interpreter here, float16); switched off again
+    it holds packing.py's layout, bit for bit."""
+    from kvserve.layers.activation import SiluAndMul
+    from kvserve.layers.custom_ops import set_triton_ops
+    from kvserve.layers.linear import MergedColumnLinear
+    from kvserve.quant.methods import WeightOnlyLinearMethod
+
+    method = WeightOnlyLinearMethod(QuantConfig(bits=bits, group_size=group_size,
+                                                symmetric=symmetric))
+    generator = torch.Generator().manual_seed(bits)
+    with torch.device("cpu"):
+        gate_up = MergedColumnLinear(64, [96, 96], quant_method=method).half()
+        down = Linear(96, 64, bias=True, quant_method=method).half()
+    for layer in (gate_up, down):
+        layer.quant_method.init_dummy(layer, generator, std=0.05)
+        if layer.bias is not None:
+            layer.bias.data.normal_(0, 0.1, generator=generator)
+    before = {name: p.clone() for name, p in [*gate_up.named_parameters(),
+                                              *down.named_parameters()]}
+    x = torch.randn(5, 64, generator=generator).half()
+    act = SiluAndMul()
+    reference = [gate_up(x), gate_up(x[:1]), down.forward_gated(gate_up(x[:1]), act)]
+    set_triton_ops(torch.nn.ModuleList([gate_up, down]), True)
+    assert gate_up.scales.shape == (1 if group_size == -1 else 2, 192)  # group-major
+    kernels = [gate_up(x), gate_up(x[:1]), down.forward_gated(gate_up(x[:1]), act)]
+    for ours, expected in zip(kernels, reference, strict=True):
+        torch.testing.assert_close(ours, expected, rtol=2e-3, atol=2e-3)
+    set_triton_ops(torch.nn.ModuleList([gate_up, down]), False)
+    after = dict([*gate_up.named_parameters(), *down.named_parameters()])
+    assert all(torch.equal(after[name], p) for name, p in before.items())
