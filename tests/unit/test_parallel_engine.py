@@ -5,7 +5,7 @@ process's greedy tokens on tiny checkpoints of every architecture (odd and
 replicated KV heads, a tied head, a sliding window, q/k/v bias, q/k norm),
 under stress: prefill chunks of a few tokens, a KV pool small enough to
 preempt, prompts sharing a prefix (cache hits), async scheduling on and off
-(on is the default with workers), INT8 weights, LoRA adapters, seeded
+(on is the default with workers), INT8 and INT4 weights, LoRA adapters, seeded
 sampling. Also: the split is checked before any process starts, a worker's
 ValueError at start-up is the engine's, a worker killed with SIGKILL
 fails the engine (every later call too) and leaves no process behind, and
@@ -127,12 +127,13 @@ def test_synchronous_scheduling_and_seeded_sampling(
     assert token_ids(llm, sampled) == token_ids(one, sampled)
 
 
-def test_int8_weights_split_like_one_process(
-    tiny_checkpoint: Callable[[str], Path], started: list[LLM]
+@pytest.mark.parametrize("quantization", ["int8", "int4-g32"])
+def test_quantised_weights_split_like_one_process(
+    quantization: str, tiny_checkpoint: Callable[[str], Path], started: list[LLM]
 ) -> None:
-    path = tiny_checkpoint("llama")
-    one = LLM(model=str(path), device="cpu", block_size=4, quantization="int8")
-    check_split_engine(path, 2, 1, token_ids(one), started, quantization="int8")
+    path = tiny_checkpoint("llama")  # o_proj / down_proj inputs: 32 / 64 columns a rank
+    one = LLM(model=str(path), device="cpu", block_size=4, quantization=quantization)
+    check_split_engine(path, 2, 1, token_ids(one), started, quantization=quantization)
 
 
 def test_lora_adapters_split_like_one_process(
