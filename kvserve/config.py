@@ -197,6 +197,9 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" or "priority"
     # plan step N+1 while step N runs on the device (see engine_core)
     async_scheduling: bool = False
+    # pipeline stages: with more than one, this many steps are kept in flight,
+    # each with requests of its own (none runs in two steps at once)
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -214,6 +217,9 @@ class SchedulerConfig:
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy='{self.policy}' must be 'fcfs' or 'priority'")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,64 @@ class LoRAConfig:
             raise ValueError(f"max_lora_rank={self.max_lora_rank} must be >= 1")
 
 
+ALL_REDUCE_BACKENDS = ("nccl", "one-shot")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes, and where they run.
+
+    ``tensor_parallel_size`` x ``pipeline_parallel_size`` worker processes,
+    one per device, spread evenly over ``nnodes`` nodes; this process is
+    node ``node_rank``. ``master_addr:master_port`` is where node 0 (the one
+    running the engine) serves the rendezvous store (port 0: any free port,
+    one node only). Every collective gives up after ``distributed_timeout_s``.
+    ``all_reduce`` picks the small all-reduce of a TP group on CUDA: NCCL, or
+    a one-shot all-reduce over peer-to-peer symmetric memory (one node).
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    distributed_timeout_s: float = 300.0
+    all_reduce: str = "nccl"
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} is invalid: must be in "
+                             f"[0, nnodes={self.nnodes})")
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} processes "
+                f"do not spread evenly over nnodes={self.nnodes}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port={self.master_port} is invalid: must be in "
+                             "[0, 65535]")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError(f"nnodes={self.nnodes} needs an explicit master_port "
+                             "(--master-port, or MASTER_PORT) that every node can reach")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s} is "
+                             "invalid: must be > 0")
+        if self.all_reduce not in ALL_REDUCE_BACKENDS:
+            raise ValueError(f"all_reduce='{self.all_reduce}' is invalid: must be one of "
+                             f"{ALL_REDUCE_BACKENDS}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, resolved and validated."""
@@ -240,6 +304,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     # None: LoRA off (keyword-only, so it may sit here with a default)
     lora_config: LoRAConfig | None = field(default=None, kw_only=True)
+    # one process unless it says more (keyword-only, as lora_config)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig, kw_only=True)
     model_path: str | None
     tokenizer_path: str | None
     load_format: str

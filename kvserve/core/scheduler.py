@@ -26,6 +26,13 @@ completion at the end, nothing in between) gets an output at its first token
 at batch 256 the outputs of the steps between cost the host more than the
 rest of their bookkeeping.
 
+With ``pipeline_parallel_size`` stages the engine keeps that many steps in
+flight, one per stage. A request's next step needs the token its last one
+samples, so a request whose sampled token is in flight is not scheduled
+again (no placeholder lookahead; a prompt's chunks may follow each other,
+as every stage runs the steps in order), and each step takes at most
+``1 / stages`` of the requests that could run, so the steps stay even.
+
 With ``step_token_sizes`` (the token counts the runner has CUDA graphs for)
 the last prompt chunk admitted to a step is trimmed so that the step ends on
 one of them: a padded step would spend a token's matmuls on each padding
@@ -62,6 +69,7 @@ class Scheduler:
     ) -> None:
         self.config = scheduler_config
         self.step_token_sizes = sorted(step_token_sizes)
+        self.num_stages = scheduler_config.pipeline_parallel_size
         # the most distinct LoRA adapters the running requests may use (0: LoRA off)
         self.max_loras = lora_config.max_loras if lora_config is not None else 0
         self.block_size = cache_config.block_size
@@ -150,26 +158,38 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        max_reqs = self._max_step_requests()
+        budget = self._schedule_running(out, budget, max_reqs)
         if not out.preempted_request_ids:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, max_reqs)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         self._sampling.clear()
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _max_step_requests(self) -> int:
+        """Requests one step may run: all of them, or with pipeline stages a
+        share of those that could run, so the steps in flight stay even."""
+        if self.num_stages == 1:
+            return self.config.max_num_seqs
+        could_run = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+        return max(1, -(-could_run // self.num_stages))
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, max_reqs: int) -> int:
         index = 0
         running = self.running
         allocate_slots = self.kv_manager.allocate_slots
-        while index < len(running) and budget > 0:
+        pipelined = self.num_stages > 1
+        while index < len(running) and budget > 0 and len(out.num_scheduled_tokens) < max_reqs:
             request = running[index]
             # the tokens whose KV is not computed yet, the one in flight included
             # (per request per step: no properties, no calls)
             num_tokens = len(request.all_token_ids) + request.num_output_placeholders
             num_new = num_tokens - request.num_computed_tokens
             if num_new == 0 or (request.num_output_placeholders
-                                and num_tokens >= request.max_num_tokens):
-                index += 1  # nothing to compute, or its token in flight is its last
+                                and (pipelined or num_tokens >= request.max_num_tokens)):
+                # nothing to compute, or its token in flight is its last (or, with
+                # pipeline stages, is needed first)
+                index += 1
                 continue
             if num_new > budget:
                 num_new = budget
@@ -189,16 +209,20 @@ class Scheduler:
             index += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, max_reqs: int) -> None:
         running_loras = ({r.lora_int_id for r in self.running if r.lora_int_id}
                          if self.max_loras and self.waiting else set())
         index = 0
         while (index < len(self.waiting) and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.config.max_num_seqs
+               and len(out.num_scheduled_tokens) < max_reqs):
             request = self.waiting[index]
             if (request.lora_int_id and request.lora_int_id not in running_loras
                     and len(running_loras) >= self.max_loras):
                 index += 1  # its adapter waits for a slot; later requests may still run
+                continue
+            if request.num_output_placeholders and self.num_stages > 1:
+                index += 1  # preempted with a step in flight: it resumes once that is back
                 continue
             # a request preempted with a token in flight waits a step, when it is known
             assert not request.num_output_placeholders, "resuming with a token in flight"

@@ -15,8 +15,18 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvserve import envs
 from kvserve.assets import default_model_path
-from kvserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from kvserve.config import (
+    ALL_REDUCE_BACKENDS,
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from kvserve.distributed.sharding import check_split
 from kvserve.engine.tokenizer import has_tokenizer
 from kvserve.models.hub import HubOptions
 from kvserve.models.source import resolve_model_config, resolve_model_path
@@ -65,12 +75,15 @@ def resolve_attention_backend(name: str, device: str) -> str:
     return "triton" if torch.cuda.is_available() else "torch"
 
 
-def resolve_async_scheduling(flag: bool | None, device: str) -> bool:
+def resolve_async_scheduling(flag: bool | None, device: str, world_size: int = 1) -> bool:
     """Unset means on when the engine runs on CUDA, where the device works
-    while the host prepares the next step; on the CPU the forward runs in the
+    while the host prepares the next step, or in worker processes (tensor /
+    pipeline parallelism); on the CPU in one process the forward runs in the
     calling thread, so there is nothing to overlap."""
     if flag is not None:
         return flag
+    if world_size > 1:
+        return True
     if device == "cpu":
         return False
     import torch
@@ -113,6 +126,15 @@ class EngineArgs:
     chat_template: str | None = None
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     num_cpu_threads: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # None: torchrun's variables (MASTER_ADDR, ...) when set, else one node on 127.0.0.1
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    distributed_timeout_s: float = 300.0
+    all_reduce: str = "nccl"
 
     def create_engine_config(self) -> EngineConfig:
         model = self.model or str(default_model_path())
@@ -128,6 +150,9 @@ class EngineArgs:
         model_config, path = resolve_model_config(model, hub,
                                                   weights=self.load_format != "dummy")
         model_config = self._quantization(model_config, path)
+        parallel_config = self._parallel_config()
+        check_split(model_config, parallel_config.tensor_parallel_size,
+                    parallel_config.pipeline_parallel_size)
         if path is None and self.load_format != "dummy":
             raise ValueError(
                 f"model='{model}' is a preset with no weights: pass load_format='dummy' "
@@ -166,10 +191,13 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
-                async_scheduling=resolve_async_scheduling(self.async_scheduling, self.device),
+                async_scheduling=resolve_async_scheduling(self.async_scheduling, self.device,
+                                                          parallel_config.world_size),
+                pipeline_parallel_size=parallel_config.pipeline_parallel_size,
             ),
             lora_config=(LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
                          if self.enable_lora else None),
+            parallel_config=parallel_config,
             model_path=str(path) if path is not None else None,
             tokenizer_path=str(tokenizer) if tokenizer is not None else None,
             load_format=self.load_format,
@@ -182,6 +210,21 @@ class EngineArgs:
             chat_template=chat_template,
             max_logprobs=self.max_logprobs,
             num_cpu_threads=self.num_cpu_threads,
+        )
+
+    def _parallel_config(self) -> ParallelConfig:
+        """The split and the node layout; unset node flags fall back to torchrun's
+        variables (MASTER_ADDR, MASTER_PORT, NODE_RANK, NNODES)."""
+        torchrun = envs.torchrun_defaults()
+        given = {"nnodes": self.nnodes, "node_rank": self.node_rank,
+                 "master_addr": self.master_addr, "master_port": self.master_port}
+        nodes = {key: value if value is not None else torchrun[key]
+                 for key, value in given.items() if value is not None or key in torchrun}
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_timeout_s=float(self.distributed_timeout_s), all_reduce=self.all_reduce,
+            **nodes,  # type: ignore[arg-type]
         )
 
     def _quantization(self, model_config: ModelConfig, path: Path | None) -> ModelConfig:
@@ -341,6 +384,34 @@ class EngineArgs:
         group.add_argument("--num-cpu-threads", type=int, default=None,
                            help="torch threads of an engine on the CPU (default: the cores "
                                 "idle at start-up, or $OMP_NUM_THREADS when set)")
+        parallel = parser.add_argument_group("parallelism")
+        parallel.add_argument("--tensor-parallel-size", "-tp", type=int,
+                              default=defaults.tensor_parallel_size,
+                              help="split every layer over this many devices (worker processes)")
+        parallel.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                              default=defaults.pipeline_parallel_size,
+                              help="split the layers into this many consecutive stages")
+        parallel.add_argument("--nnodes", type=int, default=None,
+                              help="nodes the worker processes spread over (default: NNODES, "
+                                   "or 1)")
+        parallel.add_argument("--node-rank", type=int, default=None,
+                              help="this node (0 runs the engine and the server; the others "
+                                   "run `kvserve serve --node-rank N` with the same flags; "
+                                   "default: NODE_RANK, or 0)")
+        parallel.add_argument("--master-addr", default=None,
+                              help="address of node 0, reachable from every node (default: "
+                                   "MASTER_ADDR, or 127.0.0.1)")
+        parallel.add_argument("--master-port", type=int, default=None,
+                              help="port of node 0's rendezvous store (default: MASTER_PORT, "
+                                   "or any free port on one node)")
+        parallel.add_argument("--distributed-timeout-s", type=float,
+                              default=defaults.distributed_timeout_s,
+                              help="a collective, or a worker's answer, waited for longer "
+                                   "fails the engine")
+        parallel.add_argument("--all-reduce", default=defaults.all_reduce,
+                              choices=ALL_REDUCE_BACKENDS,
+                              help="small TP all-reduces on CUDA: NCCL, or one-shot over "
+                                   "peer-to-peer symmetric memory (one node)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

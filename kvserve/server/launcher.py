@@ -4,6 +4,8 @@ The port is bound before the weights load (probes get 503 "loading" rather
 than a refused connection); a bad ``--model`` still fails at once, because
 the engine configuration is resolved before uvicorn starts (so is each
 ``--lora-modules`` adapter's config; its tensors load with the model).
+With ``--node-rank N`` (N > 0) of a multi-node parallel engine it
+serves nothing and runs that node's worker processes until node 0 stops.
 SIGTERM (or Ctrl-C) drains: ``/ready`` and new requests get 503 while
 in-flight requests run for up to ``--shutdown-timeout`` seconds; the rest are
 aborted with ``finish_reason: "abort"``, then the process exits 0. A second
@@ -160,6 +162,10 @@ def run_serve(args: argparse.Namespace) -> int:
     _take_model_tag(args)
     engine_args = EngineArgs.from_cli_args(args)
     engine_config = engine_args.create_engine_config()  # a bad --model fails here, exit 2
+    if engine_config.parallel_config.node_rank > 0:  # a worker node of a multi-node engine
+        from kvserve.engine.engine_core import run_worker_node
+
+        return run_worker_node(engine_config)
     faults = envs.fault_injection()
     watchdog_s = args.engine_watchdog_s or None
     served_names = args.served_model_name or [args.model or DEFAULT_MODEL]
@@ -201,7 +207,10 @@ def run_serve(args: argparse.Namespace) -> int:
                 args.port, engine_config.model)
     server.run()
     if state.exit_code:
-        # the engine thread may be stuck in a forward that never returns
+        # the engine thread may be stuck in a forward that never returns; worker
+        # processes (tensor / pipeline parallelism) are killed, not waited for
+        if state.engine is not None:
+            state.engine.core.shutdown(kill=True)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,7 +1,7 @@
 """Builds the in-process executor (one ``ModelRunner`` on one device) from an
 ``EngineConfig``: picks the device and dtype (and on the CPU torch's thread
-count, ``cpu_host.py``), loads the model, sizes the KV cache.
-Tensor/pipeline-parallel executors will live beside it."""
+count, ``cpu_host.py``), loads the model, sizes the KV cache. The tensor /
+pipeline-parallel one is ``multiproc_executor.py``."""
 
 from __future__ import annotations
 

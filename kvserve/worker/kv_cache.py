@@ -1,26 +1,38 @@
 """Sizing and allocating the KV cache tensors, and the memory checks of start-up.
 
-One tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(K then V). The number of blocks comes from ``num_kv_blocks`` when given,
-else from a memory budget: on CUDA the share ``gpu_memory_utilization`` of
-the card minus what is already used (weights, context, other processes) and
-the peak step the model runner profiled; on the CPU ``cpu_kv_cache_bytes``
-when set, else one the model's size: as many bytes as its weights, at least
+One tensor per attention layer the process holds, ``[2, num_blocks,
+block_size, num_kv_heads, head_dim]`` (K then V; with tensor or pipeline
+parallelism, this rank's layers and KV heads: ``KVCacheSpec``). The number
+of blocks comes from ``num_kv_blocks`` when given, else from a memory
+budget: on CUDA the share ``gpu_memory_utilization`` of the card minus what
+is already used (weights, context, other processes) and the peak step the
+model runner profiled; on the CPU ``cpu_kv_cache_bytes`` when set, else one
+the model's size: as many bytes as its weights, at least
 ``CPU_KV_MIN_REQUESTS`` requests of ``max_model_len``, at most
 ``CPU_KV_MEMORY_SHARE`` of the memory still available. Either is capped at
-what the sequence budget could ever use. Block 0 is the null block and
-comes on top of the usable ones. When the model or one request of
-``max_model_len`` cannot fit (on CUDA or in the host's memory), start-up
-fails at once with the numbers and what would fit.
+what the sequence budget could ever use; parallel ranks then agree on the
+smallest count. Block 0 is the null block and comes on top of the usable
+ones. When the model or one request of ``max_model_len`` cannot fit (on CUDA
+or in the host's memory), start-up fails at once with the numbers and what
+would fit (with several ranks: the smallest tensor / pipeline sizes that
+would).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kvserve.distributed.sharding import (
+    describe_sizes,
+    max_rank_bytes,
+    smallest_fitting_sizes,
+)
+from kvserve.layers.attention import get_attention_layers
 from kvserve.worker.cpu_host import available_memory_bytes, total_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -32,62 +44,77 @@ CPU_KV_MIN_REQUESTS = 4
 CPU_KV_MEMORY_SHARE = 0.5
 
 
-def kv_bytes_per_block(
-    model_config: ModelConfig, block_size: int, dtype: torch.dtype
-) -> int:
-    element_bytes = torch.empty((), dtype=dtype).element_size()
-    return (2 * model_config.num_layers * block_size * model_config.num_kv_heads
-            * model_config.head_dim * element_bytes)
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The KV cache one process holds: its attention layers, and their KV heads."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> KVCacheSpec:
+        """The spec of a built model's attention layers (this rank's)."""
+        layers = get_attention_layers(model)
+        if not layers:
+            raise ValueError("the model has no attention layers")
+        first = layers[0]
+        return cls(len(layers), first.num_kv_heads, first.head_dim)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_bytes
 
 
-def weights_bytes(model_config: ModelConfig, dtype: torch.dtype) -> float:
-    """The model's parameters in ``dtype``, counted from its config; a
-    weight-only quantised linear counts its packed values, scales and zeros."""
-    from kvserve.param_count import count_params
-
-    element_bytes = torch.empty((), dtype=dtype).element_size()
-    params = count_params(model_config)
-    weights = float(params.total * element_bytes)
-    quant = model_config.quantization
-    if quant is not None:
-        quantized = quant.num_quantized(params.linear, params.lm_head)
-        weights -= quantized * (
-            element_bytes - quant.bytes_per_weight(model_config.hidden_size, element_bytes))
-    return weights
+def _budget_bytes(device: torch.device, utilization: float) -> tuple[int, int, int]:
+    """(budget, total, in use) of a CUDA device at ``utilization``."""
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    used = total_bytes - free_bytes
+    return int(total_bytes * utilization) - used, total_bytes, used
 
 
 def check_weights_fit(
     model_config: ModelConfig, dtype: torch.dtype, device: torch.device, utilization: float,
-    min_kv_bytes: int = 0,
+    parallel: ParallelConfig | None = None, max_model_len: int = 0,
 ) -> None:
-    """Fail before loading when the weights alone exceed the device's memory
-    budget (on the CPU: the weights and ``min_kv_bytes`` of KV cache exceed
-    the memory available)."""
-    weights = weights_bytes(model_config, dtype)
-    quant = model_config.quantization
+    """Fail before loading when this rank's weights (with ``parallel``: its share)
+    exceed the memory budget, naming the smallest tensor / pipeline sizes at
+    which the weights and one request of ``max_model_len`` would fit. On the
+    CPU the weights and that request's KV must fit the memory available."""
+    parallel = parallel or ParallelConfig()
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    weights = weights_bytes(model_config, dtype, parallel)
     if device.type == "cpu":
-        _check_host_memory(weights, min_kv_bytes, dtype)
+        kv = max_rank_bytes(model_config, element_bytes, tp, pp, max_model_len) - weights
+        _check_host_memory(weights, kv, dtype)
         return
     if device.type != "cuda":
         return
-    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-    budget = int(total_bytes * utilization) - (total_bytes - free_bytes)
-    if weights > budget:
-        raise ValueError(
-            f"the model's weights need {weights / 1e9:.2f} GB in {dtype}"
-            f"{'' if quant is None else ' with ' + quant.name + ' linears'} but "
-            f"gpu_memory_utilization={utilization} of this {total_bytes / 1e9:.1f} GB device "
-            f"leaves {budget / 1e9:.2f} GB ({(total_bytes - free_bytes) / 1e9:.2f} GB already "
-            "in use); use a larger device, a smaller model or a higher gpu_memory_utilization"
-        )
+    budget, total_bytes, used = _budget_bytes(device, utilization)
+    if weights <= budget:
+        return
+    quant = model_config.quantization
+    where = ("" if parallel.world_size == 1 else
+             f" per rank at tensor_parallel_size={tp} x pipeline_parallel_size={pp}")
+    fits = smallest_fitting_sizes(model_config, element_bytes, budget, max_model_len)
+    raise ValueError(
+        f"the model's weights need {weights / 1e9:.2f} GB{where} in {dtype}"
+        f"{'' if quant is None else ' with ' + quant.name + ' linears'} but "
+        f"gpu_memory_utilization={utilization} of this {total_bytes / 1e9:.1f} GB device "
+        f"leaves {budget / 1e9:.2f} GB ({used / 1e9:.2f} GB already in use). "
+        + (f"With one request of max_model_len={max_model_len} it would fit at "
+           f"{describe_sizes(fits)} on such devices; or use" if fits else "Use")
+        + " a larger device, a smaller model or a higher gpu_memory_utilization"
+    )
 
 
-def _check_host_memory(weights: float, min_kv_bytes: int, dtype: torch.dtype) -> None:
+def _check_host_memory(weights: float, kv_bytes: float, dtype: torch.dtype) -> None:
     available = available_memory_bytes()
-    if available is None or weights + min_kv_bytes <= available:
+    if available is None or weights + kv_bytes <= available:
         return
     total = total_memory_bytes()
-    kv = f" plus {min_kv_bytes / 1e9:.2f} GB of KV cache for one request" if min_kv_bytes else ""
+    kv = f" plus {kv_bytes / 1e9:.2f} GB of KV cache for one request" if kv_bytes else ""
     smaller = (f", --dtype bfloat16 ({weights / 2 / 1e9:.2f} GB of weights)"
                if dtype == torch.float32 else "")
     raise ValueError(
@@ -98,17 +125,28 @@ def _check_host_memory(weights: float, min_kv_bytes: int, dtype: torch.dtype) ->
     )
 
 
+def weights_bytes(model_config: ModelConfig, dtype: torch.dtype,
+                  parallel: ParallelConfig | None = None) -> float:
+    """The weights the most loaded rank holds, counted from the config
+    (quantised linears: their packed values, scales and zeros)."""
+    parallel = parallel or ParallelConfig()
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    return max_rank_bytes(model_config, element_bytes, parallel.tensor_parallel_size,
+                          parallel.pipeline_parallel_size, 0)
+
+
 def cpu_kv_budget_bytes(
-    model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-    dtype: torch.dtype,
+    weights: float, spec: KVCacheSpec, cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig, dtype: torch.dtype,
 ) -> int:
-    """The CPU KV pool's bytes when ``num_kv_blocks`` is unset (module docstring)."""
+    """The CPU KV pool's bytes when ``num_kv_blocks`` is unset (module
+    docstring); ``weights``: the bytes of this process's weights."""
     if cache_config.cpu_kv_cache_bytes is not None:
         return cache_config.cpu_kv_cache_bytes
     request_bytes = (-(-scheduler_config.max_model_len // cache_config.block_size)
-                     * kv_bytes_per_block(model_config, cache_config.block_size, dtype))
+                     * spec.bytes_per_block(cache_config.block_size, dtype))
     min_requests = min(CPU_KV_MIN_REQUESTS, scheduler_config.max_num_seqs)
-    budget = max(int(weights_bytes(model_config, dtype)), min_requests * request_bytes)
+    budget = max(int(weights), min_requests * request_bytes)
     available = available_memory_bytes()
     if available is not None:
         budget = min(budget, int(available * CPU_KV_MEMORY_SHARE))
@@ -116,62 +154,59 @@ def cpu_kv_budget_bytes(
 
 
 def determine_num_blocks(
-    model_config: ModelConfig,
+    spec: KVCacheSpec,
     cache_config: CacheConfig,
     scheduler_config: SchedulerConfig,
     device: torch.device,
     dtype: torch.dtype,
     reserved_bytes: int = 0,
+    weights: float = 0.0,
 ) -> int:
-    """Usable blocks (the null block not counted); ``reserved_bytes`` is the
-    profiled transient memory of the largest step, kept out of the pool."""
+    """Usable blocks the budget holds (the null block not counted; possibly too
+    few for one request: ``check_num_blocks`` says so); ``reserved_bytes`` is
+    the profiled transient memory of the largest step, kept out of the pool;
+    ``weights`` the bytes of this process's weights (the CPU pool's size)."""
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
-    block_bytes = kv_bytes_per_block(model_config, cache_config.block_size, dtype)
+    block_bytes = spec.bytes_per_block(cache_config.block_size, dtype)
     blocks_per_request = -(-scheduler_config.max_model_len // cache_config.block_size)
     max_useful = blocks_per_request * scheduler_config.max_num_seqs
     if device.type == "cuda":
-        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-        used_bytes = total_bytes - free_bytes
-        budget = int(total_bytes * cache_config.gpu_memory_utilization) - used_bytes
+        budget, _, _ = _budget_bytes(device, cache_config.gpu_memory_utilization)
         budget -= reserved_bytes
     else:
-        budget = cpu_kv_budget_bytes(model_config, cache_config, scheduler_config, dtype)
-    num_blocks = min(budget // block_bytes, max_useful)
-    if num_blocks < blocks_per_request:
-        raise ValueError(
-            f"the KV cache budget ({budget / 1e9:.2f} GB) holds {max(num_blocks, 0)} blocks "
-            f"of {cache_config.block_size} tokens; one request of max_model_len="
-            f"{scheduler_config.max_model_len} needs {blocks_per_request}. Lower max_model_len "
-            f"to at most {max(num_blocks, 0) * cache_config.block_size} or give more memory"
-        )
-    return int(num_blocks)
+        budget = cpu_kv_budget_bytes(weights, spec, cache_config, scheduler_config, dtype)
+    return int(max(0, min(budget // block_bytes, max_useful)))
 
 
-def min_kv_cache_bytes(config: EngineConfig, dtype: torch.dtype) -> int:
-    """The KV cache one request of ``max_model_len`` needs (or ``num_kv_blocks`` when set)."""
-    cache = config.cache_config
-    blocks = (cache.num_kv_blocks if cache.num_kv_blocks is not None
-              else -(-config.scheduler_config.max_model_len // cache.block_size))
-    return blocks * kv_bytes_per_block(config.model_config, cache.block_size, dtype)
+def check_num_blocks(num_blocks: int, spec: KVCacheSpec, cache_config: CacheConfig,
+                     scheduler_config: SchedulerConfig, dtype: torch.dtype) -> None:
+    """ValueError when ``num_blocks`` cannot hold one request of ``max_model_len``."""
+    blocks_per_request = -(-scheduler_config.max_model_len // cache_config.block_size)
+    if num_blocks >= blocks_per_request:
+        return
+    block_bytes = spec.bytes_per_block(cache_config.block_size, dtype)
+    raise ValueError(
+        f"the KV cache budget ({num_blocks * block_bytes / 1e9:.2f} GB) holds {num_blocks} "
+        f"blocks of {cache_config.block_size} tokens; one request of max_model_len="
+        f"{scheduler_config.max_model_len} needs {blocks_per_request}. Lower max_model_len "
+        f"to at most {num_blocks * cache_config.block_size} or give more memory (or more "
+        "tensor / pipeline-parallel ranks, which split the KV cache)"
+    )
 
 
 def allocate_kv_caches(
-    model_config: ModelConfig,
+    spec: KVCacheSpec,
+    num_blocks: int,
     cache_config: CacheConfig,
     scheduler_config: SchedulerConfig,
     device: torch.device,
     dtype: torch.dtype,
-    reserved_bytes: int = 0,
-) -> tuple[list[torch.Tensor], int]:
-    """Per-layer KV tensors and the number of usable blocks."""
-    num_blocks = determine_num_blocks(model_config, cache_config, scheduler_config, device, dtype,
-                                      reserved_bytes)
-    shape = (2, num_blocks + 1, cache_config.block_size, model_config.num_kv_heads,
-             model_config.head_dim)
-    caches = [torch.zeros(shape, dtype=dtype, device=device)
-              for _ in range(model_config.num_layers)]
-    block_bytes = kv_bytes_per_block(model_config, cache_config.block_size, dtype)
+) -> list[torch.Tensor]:
+    """Per-layer KV tensors of ``num_blocks`` usable blocks (plus the null block)."""
+    shape = (2, num_blocks + 1, cache_config.block_size, spec.num_kv_heads, spec.head_dim)
+    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+    block_bytes = spec.bytes_per_block(cache_config.block_size, dtype)
     max_tokens = num_blocks * cache_config.block_size
     logger.info(
         "KV cache: %d blocks of %d tokens, %.2f GB, %d tokens at most "
@@ -179,14 +214,12 @@ def allocate_kv_caches(
         num_blocks, cache_config.block_size, num_blocks * block_bytes / 1e9, max_tokens,
         max_tokens / scheduler_config.max_model_len, scheduler_config.max_model_len,
     )
-    return caches, num_blocks
+    return caches
 
 
 def allocate_scratch_kv_caches(
-    model_config: ModelConfig, cache_config: CacheConfig, device: torch.device,
-    dtype: torch.dtype,
+    spec: KVCacheSpec, cache_config: CacheConfig, device: torch.device, dtype: torch.dtype,
 ) -> list[torch.Tensor]:
     """One null block and one usable block per layer, for a profiling step."""
-    shape = (2, 2, cache_config.block_size, model_config.num_kv_heads, model_config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device)
-            for _ in range(model_config.num_layers)]
+    shape = (2, 2, cache_config.block_size, spec.num_kv_heads, spec.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]

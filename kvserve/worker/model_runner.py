@@ -21,6 +21,14 @@ of step N that step N+1 needs as input is then copied on the device from
 step N's sampled tensor ("carried"). Requests with penalties or below
 ``min_tokens`` need their whole output on the host, so a step that would
 carry one of their tokens reads the previous step first.
+
+With tensor or pipeline parallelism (``distributed/``) one runner runs in
+each worker process on its rank's shard of the model, from the same
+``SchedulerOutput``; every TP rank samples the same tokens from the same
+gathered logits. A pipeline stage after the first receives the previous
+stage's hidden states before its forward (into a persistent buffer its
+CUDA graphs read), one before the last sends its own after it and samples
+nothing: it learns the sampled tokens from ``append_known_tokens``.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from kvserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, S
 from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.distributed.parallel_state import ParallelState, building
 from kvserve.layers.attention import bind_kv_cache
 from kvserve.layers.custom_ops import set_triton_ops
 from kvserve.lora.manager import LoRAManager
@@ -61,10 +70,12 @@ from kvserve.worker import prompt_logprobs
 from kvserve.worker.cuda_graph import CudaGraphs
 from kvserve.worker.input_batch import PersistentBatch, StepBuffers
 from kvserve.worker.kv_cache import (
+    KVCacheSpec,
     allocate_kv_caches,
     allocate_scratch_kv_caches,
+    check_num_blocks,
     check_weights_fit,
-    min_kv_cache_bytes,
+    determine_num_blocks,
 )
 from kvserve.worker.structured_output import GrammarMatchers
 
@@ -168,6 +179,7 @@ class ModelRunner:
         cuda_graph_sizes: tuple[int, ...] = (),
         lora_config: LoRAConfig | None = None,
         cuda_graph_token_sizes: tuple[int, ...] = (),
+        parallel: ParallelState | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -198,6 +210,11 @@ class ModelRunner:
         self.matchers = GrammarMatchers(model_config.vocab_size)
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
+        self.reserved_bytes = 0  # kept out of the KV pool for the largest step (profiled)
+        self.kv_spec = KVCacheSpec.of(model)
+        self.parallel = parallel or ParallelState.single()
+        # a pipeline stage before the last hands its hidden states on and samples nothing
+        self.samples = self.parallel.layout.is_last_stage
         # wraps the LoRA-capable linears before any graph is captured
         self.lora_manager = (LoRAManager(model, lora_config, device)
                              if lora_config is not None else None)
@@ -213,6 +230,12 @@ class ModelRunner:
                              max(self.cuda_graph_sizes, default=0),
                              max(self.cuda_graph_token_sizes, default=0))
         self.buffers = StepBuffers(max_num_tokens, max_num_reqs, max_blocks_per_req, device)
+        # [max_num_tokens, 2, hidden_size]: a later pipeline stage's input, received
+        # from the previous stage (a fixed buffer, so CUDA graphs can read it)
+        self.intermediate: torch.Tensor | None = None
+        if not self.parallel.layout.is_first_stage:
+            self.intermediate = torch.zeros(max_num_tokens, 2, model_config.hidden_size,
+                                            dtype=dtype, device=device)
         self.graphs: CudaGraphs | None = None
         # queued steps whose tokens are not appended to the states yet, oldest first
         self._unread: deque[PendingStep] = deque()
@@ -229,20 +252,23 @@ class ModelRunner:
         config: EngineConfig,
         device: torch.device,
         dtype: torch.dtype,
+        parallel: ParallelState | None = None,
     ) -> ModelRunner:
-        """Load the model, profile a largest step, allocate the KV cache, capture graphs."""
+        """Load the model (``parallel``: this rank's shard of it), profile a largest
+        step, allocate the KV cache, capture graphs."""
         check_weights_fit(config.model_config, dtype, device,
-                          config.cache_config.gpu_memory_utilization,
-                          min_kv_bytes=min_kv_cache_bytes(config, dtype))
+                          config.cache_config.gpu_memory_utilization, config.parallel_config,
+                          config.scheduler_config.max_model_len)
         start = time.perf_counter()
-        model = load_model(
-            config.model_config,
-            Path(config.model_path) if config.model_path else None,
-            config.load_format,
-            dtype,
-            device,
-            seed=config.seed,
-        )
+        with building(parallel or ParallelState.single()):
+            model = load_model(
+                config.model_config,
+                Path(config.model_path) if config.model_path else None,
+                config.load_format,
+                dtype,
+                device,
+                seed=config.seed,
+            )
         model.eval()
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info("weights: %.2f GB in %s, loaded in %.1f s", weights_bytes / 1e9, dtype,
@@ -250,7 +276,7 @@ class ModelRunner:
         start = time.perf_counter()
         runner = cls(config.model_config, config.cache_config, config.scheduler_config, model,
                      device, dtype, config.attention_backend, config.cuda_graph_sizes,
-                     config.lora_config, config.cuda_graph_token_sizes)
+                     config.lora_config, config.cuda_graph_token_sizes, parallel)
         runner.initialize_kv_cache()
         runner.capture_cuda_graphs()
         logger.info("startup after loading weights (profile, KV cache, graphs): %.1f s",
@@ -258,12 +284,33 @@ class ModelRunner:
         return runner
 
     def initialize_kv_cache(self) -> None:
-        reserved = self.profile_peak_step_bytes() if self.device.type == "cuda" else 0
-        self.kv_caches, self.num_kv_blocks = allocate_kv_caches(
-            self.model_config, self.cache_config, self.scheduler_config, self.device,
-            self.dtype, reserved,
-        )
+        """Size the pool from what is left after a profiled step (parallel ranks
+        agree on the smallest pool), allocate it and bind it to the layers."""
+        if self.device.type == "cuda":
+            self.reserved_bytes = self.profile_peak_step_bytes()
+        spec, cache, sched = self.kv_spec, self.cache_config, self.scheduler_config
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        num_blocks = determine_num_blocks(spec, cache, sched, self.device, self.dtype,
+                                          self.reserved_bytes, weights)
+        num_blocks = self.parallel.min_over_ranks(num_blocks)
+        if cache.num_kv_blocks is None:  # a given count is the user's (the scheduler checks it)
+            check_num_blocks(num_blocks, spec, cache, sched, self.dtype)
+        self.kv_caches = allocate_kv_caches(spec, num_blocks, cache, sched, self.device,
+                                            self.dtype)
+        self.num_kv_blocks = num_blocks
         bind_kv_cache(self.model, self.kv_caches, self.backend)
+
+    def shutdown(self, kill: bool = False) -> None:
+        """Nothing to stop: the runner lives in the engine's process."""
+
+    def append_known_tokens(self, token_ids: dict[str, list[int]]) -> None:
+        """Append tokens the last pipeline stage sampled to the requests' rows (a
+        stage before the last learns them from the executor); a request this
+        runner no longer holds is passed over."""
+        for request_id, tokens in token_ids.items():
+            row = self.rows.get(request_id)
+            for token_id in tokens if row is not None else ():
+                self.batch.append_tokens(np.array([row]), np.array([token_id]))
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check a PEFT adapter (ValueError naming what does not fit)."""
@@ -279,7 +326,8 @@ class ModelRunner:
             return
         self.graphs = CudaGraphs(self.model, self.buffers, self.cuda_graph_sizes,
                                  self.cuda_graph_token_sizes, self.scheduler_config.max_model_len,
-                                 self.sampler.argmax)
+                                 self.sampler.argmax if self.samples else None,
+                                 self.intermediate, collectives=self.parallel.tp.size > 1)
         self.graphs.capture()
 
     # ------------------------------------------------------------ profiling
@@ -300,7 +348,7 @@ class ModelRunner:
         sched = self.scheduler_config
         query_lens = largest_step_query_lens(sched)
         num_tokens, num_reqs = sum(query_lens), len(query_lens)
-        scratch = allocate_scratch_kv_caches(self.model_config, self.cache_config, self.device,
+        scratch = allocate_scratch_kv_caches(self.kv_spec, self.cache_config, self.device,
                                              self.dtype)
         bind_kv_cache(self.model, scratch, self.backend)
         torch.cuda.synchronize(self.device)
@@ -349,7 +397,10 @@ class ModelRunner:
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in query_lens])
-        hidden = self.model(input_ids, positions, metadata)
+        hidden = self.model(input_ids, positions, metadata, self._receive(num_tokens))
+        if not self.samples:
+            self._send(hidden)
+            return
         rows = torch.arange(sample_rows, device=self.device) % num_tokens
         logits = self.model.compute_logits(hidden[rows])
         params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=i)
@@ -526,7 +577,10 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
-        sample_rows = inputs.rows[inputs.sample_indices]
+        # a pipeline stage before the last samples nothing
+        sample_indices = inputs.sample_indices if self.samples else inputs.sample_indices[:0]
+        sample_request_ids = inputs.sample_request_ids if self.samples else []
+        sample_rows = inputs.rows[sample_indices]
         num_sample = len(sample_rows)
         argmax_only = num_sample > 0 and bool(self.batch.sampling.argmax_only[sample_rows].all())
         # built before the forward is queued: its small host-to-device copies
@@ -540,9 +594,14 @@ class ModelRunner:
                        if self._prompt_logprobs else None)
         start = self._mark()
         logits = sampled_ids = None
+        num_rows = inputs.decode_graph_size or inputs.token_graph_size or (
+            0 if inputs.input_ids is None else len(inputs.input_ids))
+        intermediate = self._receive(num_rows)
         if inputs.decode_graph_size is not None and self.graphs is not None:
             all_logits, greedy_ids = self.graphs.replay_decode(inputs.decode_graph_size)
-            if num_sample == len(inputs.rows):  # every request samples: rows 0..n-1
+            if greedy_ids is None:  # a stage before the last: its hidden states
+                hidden = all_logits
+            elif num_sample == len(inputs.rows):  # every request samples: rows 0..n-1
                 logits = all_logits[:num_sample]
                 sampled_ids = greedy_ids[:num_sample] if argmax_only else None
             else:
@@ -552,9 +611,13 @@ class ModelRunner:
         else:
             assert inputs.input_ids is not None and inputs.positions is not None
             assert inputs.metadata is not None, "an eager step has its metadata"
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata,
+                                intermediate)
+        if not self.samples:
+            self._send(hidden)
+        # prompt logprobs come from the last stage's hidden states
         prompt_step = (prompt_logprobs.compute(self.model, hidden, prompt_plan, self.device)
-                       if prompt_plan is not None else None)
+                       if prompt_plan is not None and self.samples else None)
         self.batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
         sampled = None
         if self._last_sampled is not None:
@@ -573,7 +636,7 @@ class ModelRunner:
             self._last_sample_index[sample_rows] = np.arange(len(sample_rows))
         host_tensors = self._copy_to_host(sampled)
         graphed = inputs.decode_graph_size is not None or inputs.token_graph_size is not None
-        step = PendingStep(inputs.sample_request_ids, sample_rows,
+        step = PendingStep(sample_request_ids, sample_rows,
                            self.batch.generation[sample_rows],
                            self.batch.sampling.num_logprobs[sample_rows], host_tensors, start,
                            self._mark(), self._read_oldest_step, graphed,
@@ -581,6 +644,19 @@ class ModelRunner:
         step.prompt_logprobs = prompt_step
         self._unread.append(step)
         return step
+
+    def _receive(self, num_tokens: int) -> torch.Tensor | None:
+        """The previous pipeline stage's ``[num_tokens, 2, hidden_size]`` output for
+        this step, in the buffer the graphs read (None on the first stage)."""
+        if self.intermediate is None:
+            return None
+        assert self.parallel.pp is not None
+        return self.parallel.pp.recv(self.intermediate[:num_tokens])
+
+    def _send(self, hidden: torch.Tensor) -> None:
+        """Hand this stage's output on to the next pipeline stage."""
+        assert self.parallel.pp is not None
+        self.parallel.pp.send(hidden)
 
     def _mark(self) -> Any:
         """A point in the device's timeline: a recorded CUDA event (reused
