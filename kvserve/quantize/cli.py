@@ -24,8 +24,11 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("quantize", help="calibrate a checkpoint to INT8 / INT4 weights",
                             description=DESCRIPTION)
     parser.add_argument("model", help="checkpoint directory, or a bundled model's name")
-    parser.add_argument("--method", required=True, choices=METHODS)
-    parser.add_argument("--bits", type=int, default=4, choices=WEIGHT_BITS)
+    parser.add_argument("--method", required=True, choices=METHODS,
+                        help="rtn: round to nearest; gptq: error-correcting rounding from "
+                             "calibration activations; awq: activation-aware scales, then rtn")
+    parser.add_argument("--bits", type=int, default=4, choices=WEIGHT_BITS,
+                        help="bits per weight (default 4)")
     parser.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES,
                         help="input columns per scale; -1: one scale per output channel")
     symmetry = parser.add_mutually_exclusive_group()
@@ -43,10 +46,13 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     calib.add_argument("--calib", type=Path, default=None,
                        help="a text file, a .jsonl with a 'text' field, or a directory of "
                             ".py / .txt files")
-    calib.add_argument("--num-samples", type=int, default=128)
-    calib.add_argument("--seq-len", type=int, default=512)
+    calib.add_argument("--num-samples", type=int, default=128,
+                       help="calibration windows (default 128)")
+    calib.add_argument("--seq-len", type=int, default=512,
+                       help="tokens per calibration window (default 512)")
     calib.add_argument("--batch-size", type=int, default=8, help="windows per forward")
-    calib.add_argument("--seed", type=int, default=0)
+    calib.add_argument("--seed", type=int, default=0,
+                       help="seed of the calibration windows' sampling (default 0)")
     calib.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--output", type=Path, required=True,
                         help="a new directory (or an empty one)")
