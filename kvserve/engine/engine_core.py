@@ -10,7 +10,9 @@ With async scheduling (the default on CUDA) one step stays in flight: each
 its outputs, so the host's scheduling, input preparation and output
 processing overlap the device's work instead of leaving it idle. Greedy
 output is the same either way; a request that stops (EOS, stop string) costs
-one step of wasted device work for it.
+one step of wasted device work for it. A speculative step (one that verifies
+proposals or makes them) is reported in the call that queued it: the next
+step is planned from its accepted tokens and new proposals.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class EngineCore:
         self.executor = executor
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, executor.num_kv_blocks + 1,
-            config.lora_config, config.cuda_graph_token_sizes,
+            config.lora_config, config.cuda_graph_token_sizes, config.speculative_config,
         )
         self.async_scheduling = config.scheduler_config.async_scheduling
         # the step queued but not yet reported (async scheduling only)
@@ -94,7 +96,8 @@ class EngineCore:
         pending = self.executor.execute_model(scheduler_output)
         to_report = [self._in_flight] if self._in_flight is not None else []
         self._in_flight = None
-        if self.async_scheduling and not scheduler_output.is_empty:
+        if (self.async_scheduling and not scheduler_output.is_empty
+                and not scheduler_output.is_spec_step):
             self._in_flight = (scheduler_output, pending)
         else:
             to_report.append((scheduler_output, pending))
