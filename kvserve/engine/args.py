@@ -13,9 +13,11 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvserve.assets import default_model_path
 from kvserve.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from kvserve.engine.speculative import resolve_speculative_config
 from kvserve.engine.tokenizer import has_tokenizer
 from kvserve.models.source import resolve_model_config
 
@@ -99,6 +101,9 @@ class EngineArgs:
     cuda_graph_sizes: list[int] | None = None
     cuda_graph_token_sizes: list[int] | None = None
     async_scheduling: bool | None = None
+    # vLLM's keys: {"method": "ngram" | "draft_model" | "eagle" | "oracle",
+    # "num_speculative_tokens": k, "model": PATH, ...} (a dict, or its JSON)
+    speculative_config: dict[str, Any] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model = self.model or str(default_model_path())
@@ -162,6 +167,8 @@ class EngineArgs:
             attention_backend=attention_backend,
             cuda_graph_sizes=cuda_graph_sizes,
             cuda_graph_token_sizes=cuda_graph_token_sizes,
+            speculative_config=resolve_speculative_config(self.speculative_config, model_config,
+                                                          path, max_model_len),
         )
 
     def _cuda_graph_sizes(self) -> tuple[int, ...]:
@@ -233,6 +240,11 @@ class EngineArgs:
                            default=None,
                            help="schedule the next step while the current one runs "
                                 "(default: on with CUDA, off on the CPU)")
+        group.add_argument("--speculative-config", default=None,
+                           help="speculative decoding as JSON, vLLM's keys: "
+                                '\'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                                "(methods: ngram, draft_model, eagle, oracle; \"model\": "
+                                "the draft or head directory)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -58,12 +58,16 @@ def determine_num_blocks(
     device: torch.device,
     dtype: torch.dtype,
     reserved_bytes: int = 0,
+    extra_block_bytes: int = 0,
 ) -> int:
     """Usable blocks (the null block not counted); ``reserved_bytes`` is the
-    profiled transient memory of the largest step, kept out of the pool."""
+    profiled transient memory of the largest step, kept out of the pool;
+    ``extra_block_bytes`` what each block costs beyond the model's KV (a
+    speculative proposer's KV at the same block ids)."""
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
-    block_bytes = kv_bytes_per_block(model_config, cache_config.block_size, dtype)
+    block_bytes = (kv_bytes_per_block(model_config, cache_config.block_size, dtype)
+                   + extra_block_bytes)
     blocks_per_request = -(-scheduler_config.max_model_len // cache_config.block_size)
     max_useful = blocks_per_request * scheduler_config.max_num_seqs
     if device.type == "cuda":
@@ -91,10 +95,11 @@ def allocate_kv_caches(
     device: torch.device,
     dtype: torch.dtype,
     reserved_bytes: int = 0,
+    extra_block_bytes: int = 0,
 ) -> tuple[list[torch.Tensor], int]:
     """Per-layer KV tensors and the number of usable blocks."""
     num_blocks = determine_num_blocks(model_config, cache_config, scheduler_config, device, dtype,
-                                      reserved_bytes)
+                                      reserved_bytes, extra_block_bytes)
     shape = (2, num_blocks + 1, cache_config.block_size, model_config.num_kv_heads,
              model_config.head_dim)
     caches = [torch.zeros(shape, dtype=dtype, device=device)

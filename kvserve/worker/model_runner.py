@@ -18,7 +18,10 @@ engine can queue step N+1 before reading step N (async scheduling); a token
 of step N that step N+1 needs as input is then copied on the device from
 step N's sampled tensor ("carried"). Requests with penalties or below
 ``min_tokens`` need their whole output on the host, so a step that would
-carry one of their tokens reads the previous step first.
+carry one of their tokens reads the previous step first. A speculative step
+(``SchedulerOutput.is_spec_step``) reads every step before it and runs
+through ``worker/spec_decode.py``; a proposer with its own network sees the
+tokens of every step (``SpecDecodeRunner.observe``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,14 @@ import torch
 
 from kvserve.attention.backend import get_attention_backend
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvserve.core.sampling_params import SamplingParams
@@ -61,6 +71,7 @@ from kvserve.worker.kv_cache import (
     allocate_scratch_kv_caches,
     check_weights_fit,
 )
+from kvserve.worker.spec_decode import SpecDecodeRunner
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +130,7 @@ class PendingStep:
         read_oldest: Callable[[], None],
         graphed: bool,
         num_padding_tokens: int,
+        read_tokens: Callable[[PendingStep, ModelRunnerOutput], None] | None = None,
     ) -> None:
         # the requests that sampled, their batch rows and those rows'
         # generations then (a row freed since is not written), logprobs wanted
@@ -130,6 +142,8 @@ class PendingStep:
         self.output: ModelRunnerOutput | None = None
         self._read_oldest = read_oldest  # reads the runner's oldest unread step
         self.graphed, self.num_padding_tokens = graphed, num_padding_tokens
+        # a speculative step's own reader of its tokens (several per request)
+        self.read_tokens = read_tokens
 
     def get(self) -> ModelRunnerOutput:
         while self.output is None:
@@ -161,6 +175,9 @@ class ModelRunner:
         cuda_graph_sizes: tuple[int, ...] = (),
         lora_config: LoRAConfig | None = None,
         cuda_graph_token_sizes: tuple[int, ...] = (),
+        speculative_config: SpeculativeConfig | None = None,
+        draft_path: str | None = None,
+        load_format: str = "auto",
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -208,6 +225,9 @@ class ModelRunner:
         # tokens (-1: none), for tokens the next step must carry
         self._last_sampled: tuple[torch.Tensor, np.ndarray] | None = None
         self._last_sample_index = np.full(max_num_reqs, -1, dtype=np.int64)
+        # loads a draft model or EAGLE head, if the method has one
+        self.spec = (SpecDecodeRunner.create(self, speculative_config, draft_path, load_format)
+                     if speculative_config is not None else None)
 
     @classmethod
     def create(
@@ -233,9 +253,11 @@ class ModelRunner:
         logger.info("weights: %.2f GB in %s, loaded in %.1f s", weights_bytes / 1e9, dtype,
                     time.perf_counter() - start)
         start = time.perf_counter()
+        spec = config.speculative_config
         runner = cls(config.model_config, config.cache_config, config.scheduler_config, model,
                      device, dtype, config.attention_backend, config.cuda_graph_sizes,
-                     config.lora_config, config.cuda_graph_token_sizes)
+                     config.lora_config, config.cuda_graph_token_sizes, spec,
+                     spec.model if spec is not None else None, config.load_format)
         runner.initialize_kv_cache()
         runner.capture_cuda_graphs()
         logger.info("startup after loading weights (profile, KV cache, graphs): %.1f s",
@@ -246,9 +268,11 @@ class ModelRunner:
         reserved = self.profile_peak_step_bytes() if self.device.type == "cuda" else 0
         self.kv_caches, self.num_kv_blocks = allocate_kv_caches(
             self.model_config, self.cache_config, self.scheduler_config, self.device,
-            self.dtype, reserved,
+            self.dtype, reserved, self.spec.kv_bytes_per_block() if self.spec else 0,
         )
         bind_kv_cache(self.model, self.kv_caches, self.backend)
+        if self.spec is not None:
+            self.spec.bind_kv_cache(self.num_kv_blocks + 1)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check a PEFT adapter (ValueError naming what does not fit)."""
@@ -350,6 +374,8 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
+            if self.spec is not None and request_id in self.rows:
+                self.spec.on_finished(self.rows[request_id])
             self._free_row(request_id)
         for request_id in scheduler_output.preempted_request_ids:
             self._free_row(request_id)
@@ -391,7 +417,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------ inputs
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput,
+                        num_spec: np.ndarray | None = None) -> StepInputs:
+        """The step's flat inputs; ``num_spec``: proposals per request, which
+        ``SpecDecodeRunner.begin_step`` wrote past the request's known tokens."""
         scheduled = scheduler_output.num_scheduled_tokens
         request_ids = list(scheduled)
         num_reqs = len(request_ids)
@@ -400,6 +429,8 @@ class ModelRunner:
         num_scheduled = np.fromiter(scheduled.values(), np.int64, num_reqs)
         batch = self.batch
         ends = batch.num_computed_tokens[rows] + num_scheduled
+        if num_spec is not None:
+            ends = ends - num_spec
         carried = np.flatnonzero(ends > batch.num_tokens[rows])
         carried_src = self._last_sample_index[rows[carried]]
         if len(carried) and ((carried_src < 0).any()
@@ -494,6 +525,11 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
+        if self.spec is not None and scheduler_output.is_spec_step:
+            self._read_all_steps()  # proposers and penalties read the outputs so far
+            num_spec = self.spec.begin_step(scheduler_output)
+            return self.spec.execute(self._prepare_inputs(scheduler_output, num_spec),
+                                     scheduler_output, num_spec)
         inputs = self._prepare_inputs(scheduler_output)
         sample_rows = inputs.rows[inputs.sample_indices]
         num_sample = len(sample_rows)
@@ -502,23 +538,16 @@ class ModelRunner:
         # would otherwise wait for the whole forward to finish
         batch = (self._sampling_batch(inputs, sample_rows) if num_sample and not argmax_only
                  else None)
-        if self.lora_manager is not None and inputs.lora_int_ids is not None:
-            self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist())
         start = self._mark()
         logits = sampled_ids = None
-        if inputs.decode_graph_size is not None and self.graphs is not None:
-            all_logits, greedy_ids = self.graphs.replay_decode(inputs.decode_graph_size)
+        hidden, decode_out = self._forward(inputs)
+        if decode_out is not None:
+            all_logits, greedy_ids = decode_out
             if num_sample == len(inputs.rows):  # every request samples: rows 0..n-1
                 logits = all_logits[:num_sample]
                 sampled_ids = greedy_ids[:num_sample] if argmax_only else None
             else:
                 logits = all_logits[inputs.logits_indices]
-        elif inputs.token_graph_size is not None and self.graphs is not None:
-            hidden = self.graphs.replay_tokens(inputs.token_graph_size)
-        else:
-            assert inputs.input_ids is not None and inputs.positions is not None
-            assert inputs.metadata is not None, "an eager step has its metadata"
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         self.batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
         sampled = None
         if self._last_sampled is not None:
@@ -535,6 +564,8 @@ class ModelRunner:
                 sampled = self.sampler(logits, batch)
             self._last_sampled = (sampled.sampled_token_ids, sample_rows)
             self._last_sample_index[sample_rows] = np.arange(len(sample_rows))
+        if self.spec is not None:
+            self.spec.observe(inputs, hidden, sampled)
         host_tensors = self._copy_to_host(sampled)
         graphed = inputs.decode_graph_size is not None or inputs.token_graph_size is not None
         step = PendingStep(inputs.sample_request_ids, sample_rows,
@@ -544,6 +575,21 @@ class ModelRunner:
                            inputs.num_padding_tokens)
         self._unread.append(step)
         return step
+
+    def _forward(self, inputs: StepInputs) -> tuple[
+            torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Run the step's forward: (hidden states of its rows, and for a
+        decode graph its logits and greedy ids); LoRA's batch set first."""
+        if self.lora_manager is not None and inputs.lora_int_ids is not None:
+            self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist())
+        if inputs.decode_graph_size is not None and self.graphs is not None:
+            decode_out = self.graphs.replay_decode(inputs.decode_graph_size)
+            return self.graphs.decode_hidden[inputs.decode_graph_size], decode_out
+        if inputs.token_graph_size is not None and self.graphs is not None:
+            return self.graphs.replay_tokens(inputs.token_graph_size), None
+        assert inputs.input_ids is not None and inputs.positions is not None
+        assert inputs.metadata is not None, "an eager step has its metadata"
+        return self.model(inputs.input_ids, inputs.positions, inputs.metadata), None
 
     def _mark(self) -> Any:
         """A point in the device's timeline: a recorded CUDA event (reused
@@ -591,6 +637,9 @@ class ModelRunner:
                                    num_padding_tokens=step.num_padding_tokens)
         step.output = output
         if not step.host_tensors:
+            return
+        if step.read_tokens is not None:
+            step.read_tokens(step, output)
             return
         token_ids = step.host_tensors[0].numpy()
         written = self.batch.generation[step.rows] == step.generations
