@@ -185,6 +185,9 @@ class LlamaForCausalLM(CausalLM):
         """``[num_rows, hidden_size]`` -> ``[num_rows, vocab_size]`` float32 logits."""
         return self.lm_head(hidden_states)
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
     def _route(self, name: str) -> tuple[str, ShardId, tuple[str, ...]]:
         """HF tensor name -> (our parameter name, shard id, HF names that parameter holds)."""
         for packed, shards in self.packed_modules_mapping.items():

@@ -283,13 +283,20 @@ class SpecDecodeRunner:
         batch = self.runner.batch
         tokens, counts = step.host_tensors[0].numpy(), step.host_tensors[1].numpy()
         written = batch.generation[step.rows] == step.generations
+        block_size = self.runner.block_size
         for i, request_id in enumerate(step.request_ids):
             kept = tokens[i, :int(counts[i])].tolist()
             output.sampled_token_ids[request_id] = kept
             if written[i]:
                 row = int(step.rows[i])
                 batch.extend_tokens(row, kept)
-                batch.num_computed_tokens[row] -= int(record.num_spec[i]) - (len(kept) - 1)
+                num_computed = int(batch.num_computed_tokens[row]) - int(record.num_spec[i]) + (
+                    len(kept) - 1)
+                batch.num_computed_tokens[row] = num_computed
+                # the scheduler frees the same blocks (KVCacheManager.free_tail): those
+                # past the computed tokens, of rejected proposals and lookahead slots
+                batch.num_blocks[row] = min(int(batch.num_blocks[row]),
+                                            -(-num_computed // block_size))
         if len(step.host_tensors) > 2:
             proposals = step.host_tensors[2].numpy()
             for b, i in enumerate(np.flatnonzero(record.num_draft > 0).tolist()):
