@@ -67,7 +67,7 @@ class EngineStatsCollector(Collector):
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], float(stats.get(key, 0)))
             yield gauge
-        counters = (
+        counters: tuple[tuple[str, str, str], ...] = (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
              "prefix_cache_queries"),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
