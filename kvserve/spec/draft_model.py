@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvserve.attention.metadata import AttentionMetadata
 from kvserve.layers.custom_ops import set_triton_ops
 from kvserve.models.loader import load_model
 from kvserve.models.registry import CausalLM
@@ -51,12 +52,15 @@ class DraftModelProposer(ChainProposer):
         drafts = torch.empty((num_rows, num_draft), dtype=torch.int64, device=self.device)
         for j in range(num_draft):
             # the token at last + 1 + j: the target's addition, then the draft's own
-            metadata = self.chain_metadata(num_rows, last_positions + 1 + j, j < limit, tokens)
-            b = self.buffers
-            hidden = self.model(b.input_ids[:num_rows], b.positions[:num_rows], metadata)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+            tokens, _ = self.chain_step(num_rows, last_positions + 1 + j, j < limit, tokens)
             drafts[:, j] = tokens
         return drafts
+
+    def step_forward(self, num_rows: int, metadata: AttentionMetadata
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.buffers
+        hidden = self.model(b.input_ids[:num_rows], b.positions[:num_rows], metadata)
+        return self.model.compute_logits(hidden).argmax(dim=-1), hidden
 
 
 def load_draft_proposer(runner: ModelRunner, path: str, load_format: str) -> DraftModelProposer:

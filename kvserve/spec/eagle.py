@@ -102,16 +102,19 @@ class EagleProposer(ChainProposer):
         drafts[:, 0] = tokens
         limit = torch.from_numpy(step.num_draft[rows]).to(self.device)
         last_positions = self.chain_setup(step, rows)
-        b = self.buffers
         for j in range(1, num_draft):
             # proposal j - 1 sits at last + j + 1; the head's row for it is at last + j
-            metadata = self.chain_metadata(num_rows, last_positions + j, j < limit, tokens)
-            b.features[:num_rows] = features
-            features = self.head(self.target.embed_input_ids(b.input_ids[:num_rows]),
-                                 b.features[:num_rows], b.positions[:num_rows], metadata)
-            tokens = self.target.compute_logits(features).argmax(dim=-1)
+            tokens, features = self.chain_step(num_rows, last_positions + j, j < limit, tokens,
+                                               features)
             drafts[:, j] = tokens
         return drafts
+
+    def step_forward(self, num_rows: int, metadata: AttentionMetadata
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.buffers
+        out = self.head(self.target.embed_input_ids(b.input_ids[:num_rows]),
+                        b.features[:num_rows], b.positions[:num_rows], metadata)
+        return self.target.compute_logits(out).argmax(dim=-1), out
 
     def _next_ids(self, step: ProposerStep) -> torch.Tensor:
         """The token after each of the step's rows: the next row's input within

@@ -118,19 +118,26 @@ class ChainProposer:
 
     def chain_setup(self, step: ProposerStep, rows: np.ndarray) -> torch.Tensor:
         """Load the chain buffers' block table with the proposing requests'
-        rows; returns the position of each one's last kept token ``[B]``."""
+        rows (the rows past them, up to a graph's size, are padding: no KV
+        write, nothing to attend to); returns the position of each one's
+        last kept token ``[B]``."""
         num = len(rows)
+        b = self.buffers
         index = torch.from_numpy(step.sample_indices[rows]).to(self.device)
         table = step.block_table.index_select(0, index)
-        self.buffers.block_table[:num, :table.shape[1]] = table
+        b.block_table[:num, :table.shape[1]] = table
+        b.seq_lens[num:] = 0
+        b.slot_mapping[num:] = -1
         last = step.last_index.index_select(0, torch.from_numpy(rows).to(self.device))
         return step.positions.index_select(0, last)
 
-    def chain_metadata(self, num_rows: int, positions: torch.Tensor, valid: torch.Tensor,
-                       token_ids: torch.Tensor) -> AttentionMetadata:
-        """Write one chain step's inputs (token ``token_ids[b]`` at
-        ``positions[b]``, KV written only where ``valid``) into the buffers;
-        the decode metadata over their first ``num_rows`` rows."""
+    def chain_step(self, num_rows: int, positions: torch.Tensor, valid: torch.Tensor,
+                   token_ids: torch.Tensor, features: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chain step: token ``token_ids[b]`` at ``positions[b]`` (KV written
+        only where ``valid``), ``features`` for a head that reads them; the
+        argmax tokens ``[num_rows]`` and output features. Replays the graph of
+        the smallest captured size that fits, else runs eagerly."""
         b = self.buffers
         bs = self.block_size
         safe = torch.where(valid, positions, 0).clamp_(max=self.max_model_len - 1)
@@ -139,10 +146,29 @@ class ChainProposer:
         blocks = b.block_table[:num_rows].gather(1, (safe // bs).unsqueeze(1)).squeeze(1)
         b.slot_mapping[:num_rows] = torch.where(valid, blocks.long() * bs + safe % bs, -1)
         b.seq_lens[:num_rows] = (safe + 1).to(torch.int32)
-        host = not self.backend.supports_cuda_graphs  # the reference reads host copies
+        if features is not None:
+            b.features[:num_rows] = features
+        size = self.padded_rows(num_rows)
+        if size in self._graphs:
+            graph, (tokens, out) = self._graphs[size]
+            graph.replay()
+            return tokens[:num_rows], out[:num_rows]
+        return self.step_forward(num_rows, self.metadata(num_rows, host=True))
+
+    def step_forward(self, num_rows: int, metadata: AttentionMetadata
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The network on the buffers' first ``num_rows`` rows: argmax tokens
+        and output features (defined by each proposer; graphs capture it)."""
+        raise NotImplementedError
+
+    def metadata(self, num_rows: int, host: bool) -> AttentionMetadata:
+        """Decode metadata over the buffers' first ``num_rows`` rows; the host
+        copies only when ``host`` and the backend reads them (the reference)."""
+        b = self.buffers
+        host = host and not self.backend.supports_cuda_graphs
         return AttentionMetadata(
             num_reqs=num_rows, num_tokens=num_rows, max_query_len=1,
-            max_seq_len=self.max_model_len,
+            max_seq_len=self.max_model_len,  # a captured split-K grid covers any context
             query_start_loc=b.query_start_loc[:num_rows + 1],
             seq_lens=b.seq_lens[:num_rows],
             block_table=b.block_table[:num_rows],
@@ -155,3 +181,26 @@ class ChainProposer:
         """The chain graph size a step of ``num_rows`` replays (``num_rows`` when eager)."""
         i = bisect.bisect_left(self.graph_sizes, num_rows)
         return self.graph_sizes[i] if i < len(self.graph_sizes) else num_rows
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """CUDA graphs of one chain step per size, largest first, in one pool
+        (the buffers hold padding meanwhile: no KV is written)."""
+        if not self.graph_sizes or self.device.type != "cuda":
+            return
+        b = self.buffers
+        b.seq_lens.zero_()
+        b.slot_mapping.fill_(-1)
+        b.input_ids.zero_()
+        b.positions.zero_()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.graph_sizes):
+            self.step_forward(size, self.metadata(size, host=False))  # compile, autotune
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = self.step_forward(size, self.metadata(size, host=False))
+            self._graphs[size] = (graph, outputs)
+        torch.cuda.synchronize()
+        logger.info("speculative proposer: chain-step CUDA graphs for %d batch sizes",
+                    len(self._graphs))

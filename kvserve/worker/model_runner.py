@@ -290,6 +290,8 @@ class ModelRunner:
                                  self.cuda_graph_token_sizes, self.scheduler_config.max_model_len,
                                  self.sampler.argmax)
         self.graphs.capture()
+        if self.spec is not None:
+            self.spec.capture_graphs()
 
     # ------------------------------------------------------------ profiling
 

@@ -93,6 +93,11 @@ class SpecDecodeRunner:
         if self.device_proposer is not None:
             self.device_proposer.bind_kv_cache(num_blocks)
 
+    def capture_graphs(self) -> None:
+        """CUDA graphs of the device proposer's chain steps (decode batch sizes)."""
+        if self.device_proposer is not None:
+            self.device_proposer.capture()
+
     def on_finished(self, row: int) -> None:
         """A request finished in ``row``: the oracle records its output."""
         if self.oracle is not None:
