@@ -139,13 +139,17 @@ class SpecDecodeRunner:
         row_start = np.cumsum(counts) - counts
         flat = np.repeat(first - row_start, counts) + np.arange(int(counts.sum()))
         sampling = self._verify_batch(sample_rows, request_ids, n, out)
-        device = runner.device
-        drafts = [out.scheduled_spec_token_ids.get(r, []) for r in request_ids]
-        max_n = int(n.max(initial=0))
-        draft_ids = to_device([d + [0] * (max_n - len(d)) for d in drafts] or [[]],
-                              torch.int64, device).reshape(len(request_ids), max_n)
-        small = to_device(np.stack([n, row_start, first]), torch.int64, device)
-        flat_t = to_device(flat, torch.int64, device)
+        # the proposals and row indices, in one host-to-device copy
+        num_reqs, max_n = len(request_ids), int(n.max(initial=0))
+        drafts = np.zeros((num_reqs, max_n), dtype=np.int64)
+        for i, request_id in enumerate(request_ids):
+            verified = out.scheduled_spec_token_ids.get(request_id, ())
+            drafts[i, :len(verified)] = verified
+        packed = to_device(np.concatenate([n, row_start, first, flat, drafts.ravel()]),
+                           torch.int64, runner.device)
+        small = packed[:3 * num_reqs].view(3, num_reqs)
+        flat_t = packed[3 * num_reqs:3 * num_reqs + len(flat)]
+        draft_ids = packed[3 * num_reqs + len(flat):].view(num_reqs, max_n)
         start = runner._mark()
         hidden, decode_out = runner._forward(inputs)
         batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
@@ -163,8 +167,9 @@ class SpecDecodeRunner:
         if runner._last_sampled is not None:
             runner._last_sample_index[runner._last_sampled[1]] = -1
         runner._last_sampled = None
-        host = runner._copy_to_host(SamplerOutput(tokens))
-        host += runner._copy_to_host(SamplerOutput(accepted_counts))
+        # the kept tokens then their count per request: one device-to-host copy
+        host = runner._copy_to_host(SamplerOutput(torch.cat([tokens, accepted_counts[:, None]],
+                                                            dim=1)))
         if proposals is not None:
             host += runner._copy_to_host(SamplerOutput(proposals))
         record = SpecRecord(n, num_draft, proposer_start, proposer_end)
@@ -286,7 +291,8 @@ class SpecDecodeRunner:
         """Append each request's kept tokens, roll back its rejected ones and
         collect the next proposals."""
         batch = self.runner.batch
-        tokens, counts = step.host_tensors[0].numpy(), step.host_tensors[1].numpy()
+        tokens = step.host_tensors[0].numpy()  # [N, K + 2]: the tokens, then their count
+        counts = tokens[:, -1]
         written = batch.generation[step.rows] == step.generations
         block_size = self.runner.block_size
         for i, request_id in enumerate(step.request_ids):
@@ -302,8 +308,8 @@ class SpecDecodeRunner:
                 # past the computed tokens, of rejected proposals and lookahead slots
                 batch.num_blocks[row] = min(int(batch.num_blocks[row]),
                                             -(-num_computed // block_size))
-        if len(step.host_tensors) > 2:
-            proposals = step.host_tensors[2].numpy()
+        if len(step.host_tensors) > 1:
+            proposals = step.host_tensors[1].numpy()
             for b, i in enumerate(np.flatnonzero(record.num_draft > 0).tolist()):
                 output.spec_token_ids[step.request_ids[i]] = (
                     proposals[b, :int(record.num_draft[i])].tolist())
