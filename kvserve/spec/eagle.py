@@ -160,8 +160,13 @@ def load_eagle_head(path: Path, device: torch.device, dtype: torch.dtype) -> Eag
 
     config = head_model_config(json.loads((path / "config.json").read_text(encoding="utf-8")),
                                str(path / "config.json"))
-    with torch.device(device):
-        head = EagleHead(config).to(dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters in dtype; the rope cache stays float32
+    try:
+        with torch.device(device):
+            head = EagleHead(config)
+    finally:
+        torch.set_default_dtype(previous)
     weights = load_file(str(path / "model.safetensors"), device=str(device))
     params = dict(head.named_parameters())
     missing = sorted(set(params) - set(weights))
