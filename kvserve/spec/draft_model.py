@@ -3,7 +3,7 @@
 
 The draft is an ordinary decoder (any architecture the registry loads) with
 its KV in the target's paged pool (``proposer.py``): every step it runs
-over the target's tokens with the target's metadata (``catch_up``), so its
+over the target's tokens with the target's metadata (the catch-up), so its
 cache always holds the request's tokens, cached prefixes and resumed
 requests included. A request that proposes ``P`` tokens then gets ``P``
 one-token draft steps, batched over the proposing requests: the first on
@@ -46,9 +46,8 @@ class DraftModelProposer(ChainProposer):
         if not len(rows):
             return None
         num_rows, num_draft = len(rows), int(step.num_draft[rows].max())
-        limit = torch.from_numpy(step.num_draft[rows]).to(self.device)
-        last_positions = self.chain_setup(step, rows)
-        tokens = step.bonus_ids.index_select(0, torch.from_numpy(rows).to(self.device))
+        rows_t, limit, last_positions = self.chain_setup(step, rows)
+        tokens = step.bonus_ids.index_select(0, rows_t)
         drafts = torch.empty((num_rows, num_draft), dtype=torch.int64, device=self.device)
         for j in range(num_draft):
             # the token at last + 1 + j: the target's addition, then the draft's own

@@ -6,7 +6,7 @@ and the embedding of the next token ``x_{t+1}``, ``fc([e(x_{t+1}); f_t])``,
 runs one Llama decoder layer (its own attention, its KV in the target's
 paged pool: ``proposer.py``) and a final norm, and predicts ``f_{t+1}``,
 which the target's LM head turns into a distribution over ``x_{t+2}``.
-Every step it catches up over the target's rows (``catch_up``: the target's
+Every step it catches up over the target's rows (the target's
 hidden states, the next tokens: the step's inputs shifted by one, the
 token the step added after each sampling request's last kept one); the
 row of that last kept token already predicts the first proposal. Each
@@ -95,13 +95,11 @@ class EagleProposer(ChainProposer):
         if not len(rows):
             return None
         num_rows, num_draft = len(rows), int(step.num_draft[rows].max())
-        rows_t = torch.from_numpy(rows).to(self.device)
+        rows_t, limit, last_positions = self.chain_setup(step, rows)
         features = out.index_select(0, step.last_index.index_select(0, rows_t))
         tokens = self.target.compute_logits(features).argmax(dim=-1)
         drafts = torch.empty((num_rows, num_draft), dtype=torch.int64, device=self.device)
         drafts[:, 0] = tokens
-        limit = torch.from_numpy(step.num_draft[rows]).to(self.device)
-        last_positions = self.chain_setup(step, rows)
         for j in range(1, num_draft):
             # proposal j - 1 sits at last + j + 1; the head's row for it is at last + j
             tokens, features = self.chain_step(num_rows, last_positions + j, j < limit, tokens,

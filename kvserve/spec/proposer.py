@@ -7,7 +7,7 @@ one block of the pool holds the target's K/V for its tokens and the
 proposer's K/V for the same tokens, so one block table, one allocator, one
 prefix cache, preemption and rollback serve both (the pool is sized for
 the sum of the two per-block sizes). For that the proposer sees every
-token the target sees: ``catch_up`` runs it over each step's tokens with
+token the target sees: ``run`` first catches up over each step's tokens with
 the target's own attention metadata, speculative or not. A step that asks
 for proposals then chains one-token steps from each request's last
 accepted token; step ``j`` of a request that proposes ``P`` tokens writes
@@ -18,7 +18,8 @@ Chain steps read fixed device buffers (token ids, positions, slots,
 sequence lengths, block table rows; features for EAGLE), so the GPU path
 replays a CUDA graph per padded batch size; on the CPU they run eagerly on
 the same buffers. No host synchronisation: positions and slots are
-computed on the device from the verification's results.
+computed on the device from the verification's results, and the host's
+few indices go over in one non-blocking copy.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.host_copy import to_device
 from kvserve.layers.attention import bind_kv_cache, get_attention_layers
 
 logger = logging.getLogger(__name__)
@@ -116,20 +118,23 @@ class ChainProposer:
         in order; row ``b`` valid up to its own count)."""
         raise NotImplementedError
 
-    def chain_setup(self, step: ProposerStep, rows: np.ndarray) -> torch.Tensor:
+    def chain_setup(self, step: ProposerStep, rows: np.ndarray
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Load the chain buffers' block table with the proposing requests'
-        rows (the rows past them, up to a graph's size, are padding: no KV
-        write, nothing to attend to); returns the position of each one's
-        last kept token ``[B]``."""
+        rows (``rows``: indices of the sampling requests that propose; the
+        buffer rows past them, up to a graph's size, are padding: no KV
+        write, nothing to attend to). Returns, on the device, ``rows``, each
+        one's number of proposals and the position of its last kept token."""
         num = len(rows)
         b = self.buffers
-        index = torch.from_numpy(step.sample_indices[rows]).to(self.device)
+        host = np.stack([rows, step.sample_indices[rows], step.num_draft[rows]])
+        rows_t, index, limit = to_device(host, torch.int64, self.device).unbind(0)
         table = step.block_table.index_select(0, index)
         b.block_table[:num, :table.shape[1]] = table
         b.seq_lens[num:] = 0
         b.slot_mapping[num:] = -1
-        last = step.last_index.index_select(0, torch.from_numpy(rows).to(self.device))
-        return step.positions.index_select(0, last)
+        last = step.last_index.index_select(0, rows_t)
+        return rows_t, limit, step.positions.index_select(0, last)
 
     def chain_step(self, num_rows: int, positions: torch.Tensor, valid: torch.Tensor,
                    token_ids: torch.Tensor, features: torch.Tensor | None = None

@@ -277,13 +277,14 @@ class SpecDecodeRunner:
         if self.device_proposer is None:
             return
         num_sample = len(inputs.sample_indices)
-        last = torch.from_numpy(np.cumsum(inputs.num_scheduled)[inputs.sample_indices] - 1)
+        last = to_device(np.cumsum(inputs.num_scheduled)[inputs.sample_indices] - 1,
+                         torch.int64, self.runner.device)
         tokens = (sampled.sampled_token_ids if sampled is not None
                   else torch.zeros(0, dtype=torch.int64, device=self.runner.device))
         self.device_proposer.run(self._proposer_step(
             inputs, hidden, tokens.unsqueeze(1),
             torch.ones(num_sample, dtype=torch.int64, device=self.runner.device),
-            last.to(self.runner.device), np.zeros(num_sample, dtype=np.int64)))
+            last, np.zeros(num_sample, dtype=np.int64)))
 
     # ------------------------------------------------------------ reading
 
