@@ -105,7 +105,11 @@ class CudaGraphs:
             seq_lens_cpu=[],
         )
 
-    def _decode_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _decode_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, greedy_ids, _ = self._decode_forward_hidden(size)
+        return logits, greedy_ids
+
+    def _decode_forward_hidden(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = self.buffers
         hidden = self.model(b.input_ids[:size], b.positions[:size], self.decode_metadata(size))
         logits = self.model.compute_logits(hidden)
@@ -136,7 +140,8 @@ class CudaGraphs:
         for size in reversed(self.token_sizes):
             self.token_graphs[size], self.hidden[size] = _capture(self._token_forward, size, pool)
         for size in reversed(self.decode_sizes):
-            graph, (logits, greedy_ids, hidden) = _capture(self._decode_forward, size, pool)
+            graph, (logits, greedy_ids, hidden) = _capture(self._decode_forward_hidden, size,
+                                                           pool)
             self.decode_graphs[size], self.logits[size] = graph, (logits, greedy_ids)
             self.decode_hidden[size] = hidden
         torch.cuda.synchronize()

@@ -557,6 +557,7 @@ class ModelRunner:
         self._last_sampled = None
         if num_sample:
             if logits is None:
+                assert hidden is not None, "a step without a decode graph has its hidden states"
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if sampled_ids is not None:
                 sampled = SamplerOutput(sampled_ids)
@@ -579,14 +580,14 @@ class ModelRunner:
         return step
 
     def _forward(self, inputs: StepInputs) -> tuple[
-            torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+            torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """Run the step's forward: (hidden states of its rows, and for a
         decode graph its logits and greedy ids); LoRA's batch set first."""
         if self.lora_manager is not None and inputs.lora_int_ids is not None:
             self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist())
         if inputs.decode_graph_size is not None and self.graphs is not None:
             decode_out = self.graphs.replay_decode(inputs.decode_graph_size)
-            return self.graphs.decode_hidden[inputs.decode_graph_size], decode_out
+            return self.graphs.decode_hidden.get(inputs.decode_graph_size), decode_out
         if inputs.token_graph_size is not None and self.graphs is not None:
             return self.graphs.replay_tokens(inputs.token_graph_size), None
         assert inputs.input_ids is not None and inputs.positions is not None

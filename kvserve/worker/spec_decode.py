@@ -153,8 +153,11 @@ class SpecDecodeRunner:
         start = runner._mark()
         hidden, decode_out = runner._forward(inputs)
         batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
-        logits = (decode_out[0][flat_t] if decode_out is not None
-                  else runner.model.compute_logits(hidden[flat_t]))
+        if decode_out is not None:
+            logits = decode_out[0][flat_t]
+        else:
+            assert hidden is not None, "a step without a decode graph has its hidden states"
+            logits = runner.model.compute_logits(hidden[flat_t])
         tokens, accepted_counts = self._verify(logits, sampling, sample_rows, draft_ids, small)
         proposer_start = proposer_end = None
         proposals = None
@@ -236,7 +239,7 @@ class SpecDecodeRunner:
 
     # ------------------------------------------------------------ proposers
 
-    def _proposer_step(self, inputs: StepInputs, hidden: torch.Tensor,
+    def _proposer_step(self, inputs: StepInputs, hidden: torch.Tensor | None,
                        tokens: torch.Tensor, counts: torch.Tensor, first: torch.Tensor,
                        num_draft: np.ndarray) -> ProposerStep:
         """A device proposer's view of the step: the target's rows and
@@ -271,7 +274,7 @@ class SpecDecodeRunner:
         size = inputs.token_graph_size
         return b.input_ids[:size], b.positions[:size], runner.graphs.token_metadata(size)
 
-    def observe(self, inputs: StepInputs, hidden: torch.Tensor,
+    def observe(self, inputs: StepInputs, hidden: torch.Tensor | None,
                 sampled: SamplerOutput | None) -> None:
         """A plain step: a device proposer catches up on its tokens."""
         if self.device_proposer is None:
