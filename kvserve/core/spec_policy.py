@@ -18,13 +18,16 @@ compute, ``c(B * (1 + k)) ~ (1 + k) c(B)``, and it never pays.
 
 The costs are learnt online from every step (``observe_step``): ``c`` as
 an exponential moving average per power-of-two bucket of token counts,
-interpolated linearly between measured buckets, flat below the smallest
-(bound by the weights) and proportional to ``N`` above the largest (bound
-by compute: the pessimistic side); ``d`` per power-of-two bucket of batch
-sizes, 0 until measured. ``P`` are the measured acceptance counters with
-``PRIOR_STEPS`` pseudo-steps at ``PRIOR_ALPHA`` so the first steps have a
-guess. While speculation is off, every ``EXPLORE_EVERY``-th step
-speculates anyway so the acceptance estimate follows the traffic.
+interpolated linearly between measured buckets and proportional to ``N``
+outside them (bound by compute: the side on which speculation does not
+pay, so an unmeasured size is never a reason to speculate); ``d`` per
+power-of-two bucket of batch sizes, 0 until measured. Before anything is
+measured every step speculates. ``P`` are the measured acceptance counters
+with ``PRIOR_STEPS`` pseudo-steps at ``PRIOR_ALPHA`` so the first steps
+have a guess. While speculation is off for want of acceptance, every
+``EXPLORE_EVERY``-th step speculates anyway so the estimate follows the
+traffic; where it would not pay even if every proposal were accepted
+(compute-bound batches) it never does.
 
 ``disable_by_batch_size`` replaces the rule with a fixed threshold;
 ``auto_disable=False`` speculates in every step. Pure Python: no torch.
@@ -71,7 +74,7 @@ class _CostTable:
             return None
         points = sorted((self.count[b], self.cost[b]) for b in self.cost)
         if n <= points[0][0]:
-            return points[0][1]
+            return points[0][1] * n / points[0][0]
         if n >= points[-1][0]:
             return points[-1][1] * n / points[-1][0]
         for (n0, c0), (n1, c1) in itertools.pairwise(points):
@@ -112,7 +115,7 @@ class SpecDecodePolicy:
         if not config.auto_disable:
             return self.max_k
         k = self.best_k(batch_size)
-        if k == 0:
+        if k == 0 and self.best_k(batch_size, perfect=True):  # off for want of acceptance
             self._steps_off += 1
             if self._steps_off >= EXPLORE_EVERY:
                 self._steps_off = 0
@@ -121,8 +124,9 @@ class SpecDecodePolicy:
             self._steps_off = 0
         return k
 
-    def best_k(self, batch_size: int) -> int:
-        """The ``k`` of largest expected gain (0 when none beats ``MIN_GAIN``)."""
+    def best_k(self, batch_size: int, perfect: bool = False) -> int:
+        """The ``k`` of largest expected gain (0 when none beats ``MIN_GAIN``);
+        with ``perfect``, as if every proposal were accepted."""
         plain = self._target.predict(batch_size)
         if plain is None:
             return self.max_k  # nothing measured yet
@@ -130,7 +134,7 @@ class SpecDecodePolicy:
         best_k, best_gain = 0, MIN_GAIN
         expected = 1.0
         for k in range(1, self.max_k + 1):
-            expected += self.acceptance(k - 1)
+            expected += 1.0 if perfect else self.acceptance(k - 1)
             spec = self._target.predict(batch_size * (1 + k))
             assert spec is not None
             gain = expected * plain / max(spec + k * per_position, 1e-12)

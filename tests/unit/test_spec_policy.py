@@ -33,6 +33,15 @@ def test_speculates_before_anything_is_measured() -> None:
     assert policy().num_spec_tokens(0) == 0
 
 
+def test_an_unmeasured_size_is_no_reason_to_speculate() -> None:
+    p = policy()
+    p.observe_step(8192, 256, 0, 0.2, 0.0, False)  # only a big prefill step measured
+    feed_acceptance(p, 0.8)
+    assert p.best_k(256) == 0  # 256 and 1280 tokens: both scaled down from 8192
+    p.observe_step(1, 1, 0, 5e-3, 0.0, False)  # now a batch-1 decode step
+    assert p.best_k(1) == 4
+
+
 def test_weight_bound_small_batches_speculate_compute_bound_large_ones_do_not() -> None:
     p = policy()
     # a GPU-like step: 5 ms reading the weights, compute-bound past 256 tokens
@@ -66,9 +75,14 @@ def test_threshold_forcing_and_exploration() -> None:
     forced = policy(auto_disable=False)
     feed_costs(forced, lambda n: 1e-3 * n)
     assert forced.num_spec_tokens(512) == 4
+    compute_bound = policy()
+    feed_costs(compute_bound, lambda n: 1e-3 * n)  # would not pay even at full acceptance
+    assert [compute_bound.num_spec_tokens(64) for _ in range(2 * EXPLORE_EVERY)] == [0] * (
+        2 * EXPLORE_EVERY)
     p = policy()
-    feed_costs(p, lambda n: 1e-3 * n)  # compute-bound everywhere: never pays
-    chosen = [p.num_spec_tokens(64) for _ in range(EXPLORE_EVERY)]
+    feed_costs(p, lambda n: 5e-3 + 5e-5 * n)  # weight-bound, but nothing is accepted
+    feed_acceptance(p, 0.0)
+    chosen = [p.num_spec_tokens(1) for _ in range(EXPLORE_EVERY)]
     assert chosen[:-1] == [0] * (EXPLORE_EVERY - 1) and chosen[-1] == 4
 
 
