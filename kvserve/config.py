@@ -292,6 +292,78 @@ class ParallelConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "oracle")
+# the most tokens one speculative step may propose per request
+MAX_SPEC_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` keys), resolved.
+
+    ``method`` names the proposer; ``model`` is the draft model's or EAGLE
+    head's directory (resolved by ``engine/speculative.py``, which also
+    checks that it fits the target). ``ngram`` matches the last
+    ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens against the
+    request's own tokens. ``oracle`` (benchmarks) replays the target's
+    greedy continuation recorded from earlier requests with the same
+    prompt, each proposal kept with probability ``acceptance_rate`` and
+    corrupted otherwise. Speculation switches itself off in a step whose
+    decode batch makes it cost more than it gains (``core/spec_policy.py``)
+    unless ``auto_disable`` is False; ``disable_by_batch_size`` replaces that
+    rule with a fixed batch size.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    acceptance_rate: float = 1.0
+    disable_by_batch_size: int | None = None
+    auto_disable: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config.method={self.method!r} is invalid: must be one of "
+                f"{', '.join(SPEC_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPEC_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens={k!r} is invalid: must be an "
+                f"integer in [1, {MAX_SPEC_TOKENS}]"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} and "
+                f"prompt_lookup_max={self.prompt_lookup_max} are invalid: need "
+                "1 <= prompt_lookup_min <= prompt_lookup_max"
+            )
+        if not 0.0 <= self.acceptance_rate <= 1.0:
+            raise ValueError(
+                f"speculative_config.acceptance_rate={self.acceptance_rate} is invalid: "
+                "must be in [0, 1]"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"speculative_config.disable_by_batch_size={self.disable_by_batch_size} is "
+                "invalid: must be >= 1 (or unset: the measured-cost rule)"
+            )
+        if self.method in ("draft_model", "eagle") and not self.model:
+            raise ValueError(
+                f"speculative_config.model is required for method={self.method!r}: the "
+                "draft model's or EAGLE head's directory"
+            )
+
+    @property
+    def uses_lookahead_slots(self) -> bool:
+        """Whether the proposer writes KV past the verified tokens while it
+        drafts (a draft model or head runs its own forward on its proposals),
+        so each proposing request needs that many more slots for the step."""
+        return self.method in ("draft_model", "eagle")
 
 
 @dataclass(frozen=True)
@@ -306,6 +378,8 @@ class EngineConfig:
     lora_config: LoRAConfig | None = field(default=None, kw_only=True)
     # one process unless it says more (keyword-only, as lora_config)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig, kw_only=True)
+    # None: no speculative decoding
+    speculative_config: SpeculativeConfig | None = field(default=None, kw_only=True)
     model_path: str | None
     tokenizer_path: str | None
     load_format: str

@@ -45,10 +45,24 @@ class SchedulerOutput:
     # requests preempted this step: the runner keeps their state (generator
     # included) but forgets their blocks until they resume
     preempted_request_ids: set[str] = field(default_factory=set)
+    # speculative decoding: request_id -> the proposed tokens this step
+    # verifies (scheduled after the request's last token, counted in
+    # num_scheduled_tokens)
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> how many tokens to propose for its next step, for
+    # requests that sample this step (their slots are allocated when the
+    # proposer writes KV for them: SpeculativeConfig.uses_lookahead_slots)
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def is_spec_step(self) -> bool:
+        """Whether the step verifies proposals or makes them: its output must
+        be read before the next step is planned."""
+        return bool(self.scheduled_spec_token_ids or self.num_draft_tokens)
 
 
 @dataclass
@@ -74,8 +88,11 @@ class PromptLogprobs:
 class ModelRunnerOutput:
     """What one step produced, per scheduled request."""
 
-    # request_id -> tokens sampled this step (empty for a partial prefill chunk)
+    # request_id -> tokens sampled this step (empty for a partial prefill
+    # chunk; with speculation the accepted proposals, then one more token)
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> proposals for its next step (SchedulerOutput.num_draft_tokens)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     # request_id -> logprobs of the prompt tokens this step's chunk predicts
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
@@ -86,6 +103,8 @@ class ModelRunnerOutput:
     # of the graph's size beyond the step's, each costing a token's matmuls)
     graphed: bool = False
     num_padding_tokens: int = 0
+    # device time of the step's proposer (within device_s)
+    proposer_s: float = 0.0
 
     def get(self) -> ModelRunnerOutput:
         """A finished output is its own pending one (see ``engine_core.PendingOutput``)."""

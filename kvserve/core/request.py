@@ -17,6 +17,11 @@ The token accounting words used across kvserve are defined here, once:
   scheduled but whose result has not come back yet (0 or 1). With async
   scheduling the next step is planned while one is in flight, so the
   scheduler counts these as if they were known.
+- ``num_spec_tokens``: proposed (speculative) tokens scheduled after the
+  request's last token in one step, verified by that step: a decode is an
+  assignment of ``1 + num_spec_tokens`` tokens. The request's proposals
+  wait in ``spec_token_ids`` until it is scheduled; ``max_spec_tokens`` is
+  its own limit (0: it never speculates).
 
 Pure Python: no torch here.
 """
@@ -109,6 +114,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # -1 until first scheduled
         self.num_output_placeholders = 0
+        # speculative decoding: the request's k (set at admission; 0: never
+        # speculates) and the proposals for its next step
+        self.max_spec_tokens = 0
+        self.spec_token_ids: list[int] = []
         self.num_reported_outputs = 0  # output tokens already in an EngineCoreOutput
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -14,6 +14,7 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvserve import envs
 from kvserve.assets import default_model_path
@@ -27,6 +28,7 @@ from kvserve.config import (
     SchedulerConfig,
 )
 from kvserve.distributed.sharding import check_split
+from kvserve.engine.speculative import resolve_speculative_config
 from kvserve.engine.tokenizer import has_tokenizer
 from kvserve.models.hub import HubOptions
 from kvserve.models.source import resolve_model_config, resolve_model_path
@@ -135,6 +137,9 @@ class EngineArgs:
     master_port: int | None = None
     distributed_timeout_s: float = 300.0
     all_reduce: str = "nccl"
+    # vLLM's keys: {"method": "ngram" | "draft_model" | "eagle" | "oracle",
+    # "num_speculative_tokens": k, "model": PATH, ...} (a dict, or its JSON)
+    speculative_config: dict[str, Any] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model = self.model or str(default_model_path())
@@ -153,6 +158,12 @@ class EngineArgs:
         parallel_config = self._parallel_config()
         check_split(model_config, parallel_config.tensor_parallel_size,
                     parallel_config.pipeline_parallel_size)
+        if self.speculative_config is not None and parallel_config.world_size > 1:
+            raise ValueError(
+                "speculative_config: speculative decoding runs in one process for now; got "
+                f"tensor_parallel_size={parallel_config.tensor_parallel_size} x "
+                f"pipeline_parallel_size={parallel_config.pipeline_parallel_size}"
+            )
         if path is None and self.load_format != "dummy":
             raise ValueError(
                 f"model='{model}' is a preset with no weights: pass load_format='dummy' "
@@ -210,6 +221,8 @@ class EngineArgs:
             chat_template=chat_template,
             max_logprobs=self.max_logprobs,
             num_cpu_threads=self.num_cpu_threads,
+            speculative_config=resolve_speculative_config(self.speculative_config, model_config,
+                                                          path, max_model_len),
         )
 
     def _parallel_config(self) -> ParallelConfig:
@@ -412,6 +425,11 @@ class EngineArgs:
                               choices=ALL_REDUCE_BACKENDS,
                               help="small TP all-reduces on CUDA: NCCL, or one-shot over "
                                    "peer-to-peer symmetric memory (one node)")
+        group.add_argument("--speculative-config", default=None,
+                           help="speculative decoding as JSON, vLLM's keys: "
+                                '\'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                                "(methods: ngram, draft_model, eagle, oracle; \"model\": "
+                                "the draft or head directory)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -13,7 +13,9 @@ With async scheduling (the default on CUDA) one step stays in flight: each
 its outputs, so the host's scheduling, input preparation and output
 processing overlap the device's work instead of leaving it idle. Greedy
 output is the same either way; a request that stops (EOS, stop string) costs
-one step of wasted device work for it.
+one step of wasted device work for it. A speculative step (one that verifies
+proposals or makes them) is reported in the call that queued it: the next
+step is planned from its accepted tokens and new proposals.
 
 With pipeline parallelism (``pipeline_parallel_size`` stages) as many steps
 are kept in flight as there are stages, so each stage works on its own
@@ -84,7 +86,7 @@ class EngineCore:
         self.executor = executor
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, executor.num_kv_blocks + 1,
-            config.lora_config, config.cuda_graph_token_sizes,
+            config.lora_config, config.cuda_graph_token_sizes, config.speculative_config,
         )
         self.async_scheduling = config.scheduler_config.async_scheduling
         # steps left queued when step() returns: none, or with async scheduling
@@ -123,8 +125,12 @@ class EngineCore:
         step in flight, so its requests can run again."""
         scheduler_output = self.scheduler.schedule()
         pending = self.executor.execute_model(scheduler_output)
-        to_report = []
-        if scheduler_output.is_empty:
+        to_report: list[tuple[SchedulerOutput, PendingOutput]] = []
+        if scheduler_output.is_spec_step:  # read at once: the next step is planned from it
+            to_report.extend(self._in_flight)
+            self._in_flight.clear()
+            to_report.append((scheduler_output, pending))
+        elif scheduler_output.is_empty:
             if self._in_flight:
                 to_report.append(self._in_flight.popleft())
             to_report.append((scheduler_output, pending))

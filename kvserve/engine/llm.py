@@ -122,7 +122,10 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         """KV blocks (total, free, cached), prefix-cache counters, preemptions,
-        running and waiting requests, steps and their host/device time split."""
+        running and waiting requests, steps and their host/device time split;
+        with ``speculative_config`` the ``spec_decode_*`` counters, the
+        acceptance rate (accepted / proposed tokens) and the mean accepted
+        length (tokens per verification, the target's own token included)."""
         return self.engine.stats()
 
 

@@ -292,6 +292,13 @@ class LLMEngine:
             if sample.decode_at_end and core_output.finish_reason is None:
                 continue  # nothing to decode or report before it finishes
             delta_text = self._detokenize(sample, core_output, stopped)
+            num_past_stop = len(sample.token_ids) - len(sample.detokenizer.output_token_ids)
+            if sample.stop_reason is not None and num_past_stop > 0 and not sample.decode_at_end:
+                # the step's tokens ran past the stop string: drop those after it
+                del sample.token_ids[-num_past_stop:]
+                if sample.logprobs is not None:
+                    del sample.logprobs[-num_past_stop:]
+                new_ids = new_ids[:len(new_ids) - num_past_stop]
             # a final_only request is reported only when it finishes, so its
             # samples still running have nothing to report
             if sample.finish_reason is not None or not tracked.final_only:

@@ -231,6 +231,10 @@ class LlamaForCausalLM(CausalLM):
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head(hidden_states)
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.model.embed_tokens is not None, "only the first pipeline stage embeds"
+        return self.model.embed_tokens(input_ids)
+
     def _route(self, name: str) -> tuple[str, ShardId, tuple[str, ...]]:
         """HF tensor name -> (our parameter name, shard id, HF names that parameter holds)."""
         for packed, shards in self.packed_modules_mapping.items():

@@ -41,6 +41,11 @@ class CausalLM(nn.Module):
         """``[num_rows, hidden_size]`` -> ``[num_rows, vocab_size]`` float32 logits."""
         raise NotImplementedError
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens]`` ids -> ``[num_tokens, hidden_size]`` input embeddings
+        (an EAGLE head reads the target's)."""
+        raise NotImplementedError
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from HF-named tensors; ValueError naming any bad tensor."""
         raise NotImplementedError

@@ -9,6 +9,9 @@ The order of operations is:
     -> greedy rows: argmax
     -> temperature -> min_p -> top_k -> top_p -> exponential-race sample
 
+Everything before the draw is ``Sampler.process``, which speculative
+verification (``rejection.py``) shares, so a speculative step accepts
+against exactly the distribution a plain step would sample from.
 Logprobs are of the raw model distribution (log_softmax of the logits as
 given, before any of the above), as vLLM returns them by default.
 Both argmaxes (greedy rows, the race) take ``kernels/argmax.py`` with ``use_triton``.
@@ -376,6 +379,27 @@ class Sampler:
         raw_logprobs = None
         if batch.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        greedy_ids, probs = self.process(logits, batch)
+        if probs is None:
+            assert greedy_ids is not None, "an all-greedy batch has its argmax"
+            sampled = greedy_ids
+        else:
+            sampled = exponential_race(probs, batch.generators, self.use_triton)
+            if greedy_ids is not None and batch.greedy_mask is not None:
+                sampled = torch.where(batch.greedy_mask, greedy_ids, sampled)
+        if raw_logprobs is None or batch.max_num_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        return gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
+
+    def process(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Everything a step applies to float32 ``[R, vocab]`` logits before
+        it draws: the greedy rows' tokens (None when every row is random) and
+        the random rows' final distribution (None when every row is greedy;
+        rows of the other kind hold values to ignore). Speculative
+        verification takes the target's distribution from here, so it is
+        exactly the one a plain step samples from."""
         if batch.bias_row_idx is not None:
             assert batch.bias_token_ids is not None and batch.bias_values is not None
             logits = logits.index_put((batch.bias_row_idx, batch.bias_token_ids),
@@ -388,26 +412,16 @@ class Sampler:
                 (batch.forbidden_row_idx, batch.forbidden_token_ids),
                 torch.full((), float("-inf"), device=logits.device),
             )
-        sampled = self._sample(logits, batch)
-        if raw_logprobs is None or batch.max_num_logprobs is None:
-            return SamplerOutput(sampled_token_ids=sampled)
-        return gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
-
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_ids = None if batch.all_random else self.argmax(logits)
-        if batch.all_greedy and greedy_ids is not None:
-            return greedy_ids
+        if batch.all_greedy:
+            return greedy_ids, None
         assert batch.temperature is not None, "a batch with random rows has temperatures"
         # a new tensor: the masks below may work in place
         logits = logits / batch.temperature.unsqueeze(1)
         if batch.min_p is not None:
             apply_min_p_(logits, batch.min_p)
         logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        random_ids = exponential_race(probs, batch.generators, self.use_triton)
-        if greedy_ids is None or batch.greedy_mask is None:
-            return random_ids
-        return torch.where(batch.greedy_mask, greedy_ids, random_ids)
+        return greedy_ids, torch.softmax(logits, dim=-1)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ and share one memory pool, captured from the largest down, so together they
 take about as much memory as the largest.
 
 - Decode graphs run the model, the logits matmul and the greedy argmax
-  (the sampler's, for a batch whose rows are all ``argmax_only``) for
+  (the sampler's, for a batch whose rows are all ``argmax_only``), keeping
+  the hidden states too (a speculative proposer reads them), for
   ``size`` requests of one new token each. A step of ``n`` requests replays the smallest captured
   size ``>= n``; the extra rows are padding that writes no KV and attends to
   nothing (see ``StepBuffers.fill``). Attention runs with ``max_seq_len =
@@ -83,6 +84,7 @@ class CudaGraphs:
         # size -> ([size, vocab_size] float32 logits, [size] int64 greedy ids), or
         # before the last pipeline stage ([size, 2, hidden_size], None)
         self.logits: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.decode_hidden: dict[int, torch.Tensor] = {}  # size -> [size, hidden_size]
         self.token_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # size -> [size, hidden_size]
         self.pool_bytes = 0
@@ -124,13 +126,19 @@ class CudaGraphs:
         return None if self.intermediate is None else self.intermediate[:size]
 
     def _decode_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits, greedy_ids, _ = self._decode_forward_hidden(size)
+        return logits, greedy_ids
+
+    def _decode_forward_hidden(
+        self, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         b = self.buffers
         hidden = self.model(b.input_ids[:size], b.positions[:size], self.decode_metadata(size),
                             self._stage_input(size))
-        if self.argmax is None:
-            return hidden, None
+        if self.argmax is None:  # a stage before the last: its hidden states
+            return hidden, None, hidden
         logits = self.model.compute_logits(hidden)
-        return logits, self.argmax(logits)
+        return logits, self.argmax(logits), hidden
 
     def _token_forward(self, size: int) -> torch.Tensor:
         b = self.buffers
@@ -159,8 +167,10 @@ class CudaGraphs:
             self.token_graphs[size], self.hidden[size] = _capture(self._token_forward, size, pool,
                                                                   self.capture_mode)
         for size in reversed(self.decode_sizes):
-            self.decode_graphs[size], self.logits[size] = _capture(self._decode_forward, size,
-                                                                   pool, self.capture_mode)
+            graph, (logits, greedy_ids, hidden) = _capture(self._decode_forward_hidden, size,
+                                                           pool, self.capture_mode)
+            self.decode_graphs[size], self.logits[size] = graph, (logits, greedy_ids)
+            self.decode_hidden[size] = hidden
         torch.cuda.synchronize()
         self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(

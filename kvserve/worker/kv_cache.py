@@ -161,14 +161,17 @@ def determine_num_blocks(
     dtype: torch.dtype,
     reserved_bytes: int = 0,
     weights: float = 0.0,
+    extra_block_bytes: int = 0,
 ) -> int:
     """Usable blocks the budget holds (the null block not counted; possibly too
     few for one request: ``check_num_blocks`` says so); ``reserved_bytes`` is
     the profiled transient memory of the largest step, kept out of the pool;
-    ``weights`` the bytes of this process's weights (the CPU pool's size)."""
+    ``weights`` the bytes of this process's weights (the CPU pool's size);
+    ``extra_block_bytes`` what each block costs beyond the model's KV (a
+    speculative proposer's KV at the same block ids)."""
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
-    block_bytes = spec.bytes_per_block(cache_config.block_size, dtype)
+    block_bytes = spec.bytes_per_block(cache_config.block_size, dtype) + extra_block_bytes
     blocks_per_request = -(-scheduler_config.max_model_len // cache_config.block_size)
     max_useful = blocks_per_request * scheduler_config.max_num_seqs
     if device.type == "cuda":

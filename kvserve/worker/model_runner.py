@@ -20,7 +20,10 @@ engine can queue step N+1 before reading step N (async scheduling); a token
 of step N that step N+1 needs as input is then copied on the device from
 step N's sampled tensor ("carried"). Requests with penalties or below
 ``min_tokens`` need their whole output on the host, so a step that would
-carry one of their tokens reads the previous step first.
+carry one of their tokens reads the previous step first. A speculative step
+(``SchedulerOutput.is_spec_step``) reads every step before it and runs
+through ``worker/spec_decode.py``; a proposer with its own network sees the
+tokens of every step (``SpecDecodeRunner.observe``).
 
 With tensor or pipeline parallelism (``distributed/``) one runner runs in
 each worker process on its rank's shard of the model, from the same
@@ -47,7 +50,14 @@ import torch
 
 from kvserve.attention.backend import get_attention_backend
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvserve.core.sampling_params import SamplingParams
@@ -77,6 +87,7 @@ from kvserve.worker.kv_cache import (
     check_weights_fit,
     determine_num_blocks,
 )
+from kvserve.worker.spec_decode import SpecDecodeRunner
 from kvserve.worker.structured_output import GrammarMatchers
 
 logger = logging.getLogger(__name__)
@@ -136,6 +147,7 @@ class PendingStep:
         read_oldest: Callable[[], None],
         graphed: bool,
         num_padding_tokens: int,
+        read_tokens: Callable[[PendingStep, ModelRunnerOutput], None] | None = None,
     ) -> None:
         # the requests that sampled, their batch rows and those rows'
         # generations then (a row freed since is not written), logprobs wanted
@@ -148,6 +160,8 @@ class PendingStep:
         self._read_oldest = read_oldest  # reads the runner's oldest unread step
         self.graphed, self.num_padding_tokens = graphed, num_padding_tokens
         self.prompt_logprobs: prompt_logprobs.PromptLogprobsStep | None = None
+        # a speculative step's own reader of its tokens (several per request)
+        self.read_tokens = read_tokens
 
     def get(self) -> ModelRunnerOutput:
         while self.output is None:
@@ -180,6 +194,9 @@ class ModelRunner:
         lora_config: LoRAConfig | None = None,
         cuda_graph_token_sizes: tuple[int, ...] = (),
         parallel: ParallelState | None = None,
+        speculative_config: SpeculativeConfig | None = None,
+        draft_path: str | None = None,
+        load_format: str = "auto",
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -245,6 +262,9 @@ class ModelRunner:
         # tokens (-1: none), for tokens the next step must carry
         self._last_sampled: tuple[torch.Tensor, np.ndarray] | None = None
         self._last_sample_index = np.full(max_num_reqs, -1, dtype=np.int64)
+        # loads a draft model or EAGLE head, if the method has one
+        self.spec = (SpecDecodeRunner.create(self, speculative_config, draft_path, load_format)
+                     if speculative_config is not None else None)
 
     @classmethod
     def create(
@@ -274,9 +294,11 @@ class ModelRunner:
         logger.info("weights: %.2f GB in %s, loaded in %.1f s", weights_bytes / 1e9, dtype,
                     time.perf_counter() - start)
         start = time.perf_counter()
+        spec = config.speculative_config
         runner = cls(config.model_config, config.cache_config, config.scheduler_config, model,
                      device, dtype, config.attention_backend, config.cuda_graph_sizes,
-                     config.lora_config, config.cuda_graph_token_sizes, parallel)
+                     config.lora_config, config.cuda_graph_token_sizes, parallel, spec,
+                     spec.model if spec is not None else None, config.load_format)
         runner.initialize_kv_cache()
         runner.capture_cuda_graphs()
         logger.info("startup after loading weights (profile, KV cache, graphs): %.1f s",
@@ -285,13 +307,15 @@ class ModelRunner:
 
     def initialize_kv_cache(self) -> None:
         """Size the pool from what is left after a profiled step (parallel ranks
-        agree on the smallest pool), allocate it and bind it to the layers."""
+        agree on the smallest pool; a speculative proposer's KV shares the
+        blocks), allocate it and bind it to the layers."""
         if self.device.type == "cuda":
             self.reserved_bytes = self.profile_peak_step_bytes()
         spec, cache, sched = self.kv_spec, self.cache_config, self.scheduler_config
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         num_blocks = determine_num_blocks(spec, cache, sched, self.device, self.dtype,
-                                          self.reserved_bytes, weights)
+                                          self.reserved_bytes, weights,
+                                          self.spec.kv_bytes_per_block() if self.spec else 0)
         num_blocks = self.parallel.min_over_ranks(num_blocks)
         if cache.num_kv_blocks is None:  # a given count is the user's (the scheduler checks it)
             check_num_blocks(num_blocks, spec, cache, sched, self.dtype)
@@ -299,6 +323,8 @@ class ModelRunner:
                                             self.dtype)
         self.num_kv_blocks = num_blocks
         bind_kv_cache(self.model, self.kv_caches, self.backend)
+        if self.spec is not None:
+            self.spec.bind_kv_cache(self.num_kv_blocks + 1)
 
     def shutdown(self, kill: bool = False) -> None:
         """Nothing to stop: the runner lives in the engine's process."""
@@ -329,6 +355,8 @@ class ModelRunner:
                                  self.sampler.argmax if self.samples else None,
                                  self.intermediate, collectives=self.parallel.tp.size > 1)
         self.graphs.capture()
+        if self.spec is not None:
+            self.spec.capture_graphs()
 
     # ------------------------------------------------------------ profiling
 
@@ -418,6 +446,8 @@ class ModelRunner:
             self.states.pop(request_id, None)
             self._biased.discard(request_id)
             self.matchers.remove(request_id)
+            if self.spec is not None and request_id in self.rows:
+                self.spec.on_finished(self.rows[request_id])
             self._free_row(request_id)
         for request_id in scheduler_output.preempted_request_ids:
             self._free_row(request_id)
@@ -466,7 +496,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------ inputs
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput,
+                        num_spec: np.ndarray | None = None) -> StepInputs:
+        """The step's flat inputs; ``num_spec``: proposals per request, which
+        ``SpecDecodeRunner.begin_step`` wrote past the request's known tokens."""
         scheduled = scheduler_output.num_scheduled_tokens
         request_ids = list(scheduled)
         num_reqs = len(request_ids)
@@ -475,6 +508,8 @@ class ModelRunner:
         num_scheduled = np.fromiter(scheduled.values(), np.int64, num_reqs)
         batch = self.batch
         ends = batch.num_computed_tokens[rows] + num_scheduled
+        if num_spec is not None:
+            ends = ends - num_spec
         carried = np.flatnonzero(ends > batch.num_tokens[rows])
         carried_src = self._last_sample_index[rows[carried]]
         if len(carried) and ((carried_src < 0).any()
@@ -576,6 +611,11 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
+        if self.spec is not None and scheduler_output.is_spec_step:
+            self._read_all_steps()  # proposers and penalties read the outputs so far
+            num_spec = self.spec.begin_step(scheduler_output)
+            return self.spec.execute(self._prepare_inputs(scheduler_output, num_spec),
+                                     scheduler_output, num_spec)
         inputs = self._prepare_inputs(scheduler_output)
         # a pipeline stage before the last samples nothing
         sample_indices = inputs.sample_indices if self.samples else inputs.sample_indices[:0]
@@ -587,37 +627,26 @@ class ModelRunner:
         # would otherwise wait for the whole forward to finish
         batch = (self._sampling_batch(inputs, sample_rows) if num_sample and not argmax_only
                  else None)
-        if self.lora_manager is not None and inputs.lora_int_ids is not None:
-            self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist())
         prompt_plan = (prompt_logprobs.plan(self._prompt_logprobs, inputs.request_ids,
                                             inputs.rows, inputs.num_scheduled, self.batch)
                        if self._prompt_logprobs else None)
         start = self._mark()
         logits = sampled_ids = None
-        num_rows = inputs.decode_graph_size or inputs.token_graph_size or (
-            0 if inputs.input_ids is None else len(inputs.input_ids))
-        intermediate = self._receive(num_rows)
-        if inputs.decode_graph_size is not None and self.graphs is not None:
-            all_logits, greedy_ids = self.graphs.replay_decode(inputs.decode_graph_size)
-            if greedy_ids is None:  # a stage before the last: its hidden states
-                hidden = all_logits
-            elif num_sample == len(inputs.rows):  # every request samples: rows 0..n-1
+        hidden, decode_out = self._forward(inputs)
+        if decode_out is not None:
+            all_logits, greedy_ids = decode_out
+            if num_sample == len(inputs.rows):  # every request samples: rows 0..n-1
                 logits = all_logits[:num_sample]
                 sampled_ids = greedy_ids[:num_sample] if argmax_only else None
             else:
                 logits = all_logits[inputs.logits_indices]
-        elif inputs.token_graph_size is not None and self.graphs is not None:
-            hidden = self.graphs.replay_tokens(inputs.token_graph_size)
-        else:
-            assert inputs.input_ids is not None and inputs.positions is not None
-            assert inputs.metadata is not None, "an eager step has its metadata"
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata,
-                                intermediate)
         if not self.samples:
+            assert hidden is not None, "a stage before the last has its hidden states"
             self._send(hidden)
         # prompt logprobs come from the last stage's hidden states
         prompt_step = (prompt_logprobs.compute(self.model, hidden, prompt_plan, self.device)
-                       if prompt_plan is not None and self.samples else None)
+                       if prompt_plan is not None and hidden is not None and self.samples
+                       else None)
         self.batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
         sampled = None
         if self._last_sampled is not None:
@@ -625,6 +654,7 @@ class ModelRunner:
         self._last_sampled = None
         if num_sample:
             if logits is None:
+                assert hidden is not None, "a step without a decode graph has its hidden states"
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if sampled_ids is not None:
                 sampled = SamplerOutput(sampled_ids)
@@ -634,6 +664,8 @@ class ModelRunner:
                 sampled = self.sampler(logits, batch)
             self._last_sampled = (sampled.sampled_token_ids, sample_rows)
             self._last_sample_index[sample_rows] = np.arange(len(sample_rows))
+        if self.spec is not None:
+            self.spec.observe(inputs, hidden, sampled)
         host_tensors = self._copy_to_host(sampled)
         graphed = inputs.decode_graph_size is not None or inputs.token_graph_size is not None
         step = PendingStep(sample_request_ids, sample_rows,
@@ -644,6 +676,27 @@ class ModelRunner:
         step.prompt_logprobs = prompt_step
         self._unread.append(step)
         return step
+
+    def _forward(self, inputs: StepInputs) -> tuple[
+            torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Run the step's forward (LoRA's batch set first, the previous
+        pipeline stage's output received): its rows' hidden states, and for a
+        decode graph on the last stage its logits and greedy ids."""
+        if self.lora_manager is not None and inputs.lora_int_ids is not None:
+            self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist())
+        num_rows = inputs.decode_graph_size or inputs.token_graph_size or (
+            0 if inputs.input_ids is None else len(inputs.input_ids))
+        intermediate = self._receive(num_rows)
+        if inputs.decode_graph_size is not None and self.graphs is not None:
+            logits, greedy_ids = self.graphs.replay_decode(inputs.decode_graph_size)
+            if greedy_ids is None:  # a stage before the last: its output
+                return logits, None
+            return self.graphs.decode_hidden[inputs.decode_graph_size], (logits, greedy_ids)
+        if inputs.token_graph_size is not None and self.graphs is not None:
+            return self.graphs.replay_tokens(inputs.token_graph_size), None
+        assert inputs.input_ids is not None and inputs.positions is not None
+        assert inputs.metadata is not None, "an eager step has its metadata"
+        return self.model(inputs.input_ids, inputs.positions, inputs.metadata, intermediate), None
 
     def _receive(self, num_tokens: int) -> torch.Tensor | None:
         """The previous pipeline stage's ``[num_tokens, 2, hidden_size]`` output for
@@ -706,6 +759,9 @@ class ModelRunner:
         if step.prompt_logprobs is not None:
             output.prompt_logprobs = step.prompt_logprobs.read()
         if not step.host_tensors:
+            return
+        if step.read_tokens is not None:
+            step.read_tokens(step, output)
             return
         token_ids = step.host_tensors[0].numpy()
         written = self.batch.generation[step.rows] == step.generations
