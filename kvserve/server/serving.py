@@ -476,7 +476,20 @@ def _error_param(exc: ValueError, body: SamplingRequest, prompt_param: str) -> s
         return prompt_param
     if name == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
         return "max_completion_tokens"
+    if name == "logprobs" and "top_logprobs" in type(body).model_fields:
+        return "top_logprobs"  # a chat request's count; its logprobs is a flag
     return name if name in type(body).model_fields else None
+
+
+def _bad_request(exc: ValueError, body: SamplingRequest, prompt_param: str) -> APIError:
+    """A 400 for a ValueError from the engine or ``SamplingParams``, spelled
+    with the request's field name."""
+    param = _error_param(exc, body, prompt_param)
+    message = str(exc)
+    match = _FIELD_RE.match(message)
+    if param is not None and match is not None and match.group(1) not in (param, "prompt"):
+        message = param + message[match.end():]
+    return APIError(400, message, param)
 
 
 class OpenAIServing:
@@ -577,7 +590,7 @@ class OpenAIServing:
                 logit_bias=body.token_logit_bias,
             )
         except ValueError as exc:
-            raise APIError(400, str(exc), _error_param(exc, body, prompt_param)) from None
+            raise _bad_request(exc, body, prompt_param) from None
 
     def _job(self, engine: LLMEngine, body: SamplingRequest, prompts: list[PromptInput],
              model: str, chat: bool, top_logprobs: int | None) -> Job:
@@ -596,7 +609,7 @@ class OpenAIServing:
             try:
                 params.append(engine.resolve_params(len(prompt.token_ids), base))
             except ValueError as exc:
-                raise APIError(400, str(exc), _error_param(exc, body, prompt_param)) from None
+                raise _bad_request(exc, body, prompt_param) from None
         prefix = "chatcmpl" if chat else "cmpl"
         return Job(chat=chat, request_id=f"{prefix}-{uuid.uuid4().hex}", model=model,
                    prompts=prompts, params=params, n=body.n, body=body,
@@ -713,8 +726,7 @@ class OpenAIServing:
         if isinstance(exc, APIError):
             return exc
         if isinstance(exc, ValueError):
-            return APIError(400, str(exc), _error_param(exc, job.body,
-                                                        "messages" if job.chat else "prompt"))
+            return _bad_request(exc, job.body, "messages" if job.chat else "prompt")
         if isinstance(exc, EngineDeadError):
             logger.error("%s failed: %s", job.request_id, exc)
         else:

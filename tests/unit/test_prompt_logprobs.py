@@ -94,9 +94,10 @@ def test_one_token_prompt_and_validation(tiny_checkpoint: Callable[[str], Path])
     llm = LLM(model=str(tiny_checkpoint("llama")))
     [output] = llm.generate([[7]], PARAMS, use_tqdm=False)
     assert output.prompt_logprobs == [None]
-    for bad in (-1, 21):
-        with pytest.raises(ValueError, match="prompt_logprobs"):
-            SamplingParams(prompt_logprobs=bad)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(ValueError, match=r"prompt_logprobs=21 is invalid.*at most 20"):
+        llm.generate([[7]], SamplingParams(max_tokens=1, prompt_logprobs=21), use_tqdm=False)
 
 
 def _entries(first: int, count: int) -> PromptLogprobs:
