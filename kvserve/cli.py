@@ -152,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # to start copies of itself
     except KeyboardInterrupt:
         print("\nkvserve: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

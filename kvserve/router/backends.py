@@ -139,12 +139,16 @@ class BackendPool:
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(backend) for backend in self.backends))
 
-    async def wait_healthy(self, timeout_s: float) -> list[Backend]:
+    async def wait_healthy(self, timeout_s: float,
+                           abort: Callable[[], str | None] = lambda: None) -> list[Backend]:
         """Probe until every backend answers or ``timeout_s`` passes; the ones
-        still not answering."""
+        still not answering. OSError when ``abort`` gives a reason to stop."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
+            reason = abort()
+            if reason is not None:
+                raise OSError(reason)
             await self.probe_all()
             down = [backend for backend in self.backends if not backend.healthy]
             if not down or loop.time() >= deadline:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -36,15 +37,17 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 def add_router_options(parser: argparse.ArgumentParser | Any, prefix: str = "") -> None:
-    """The routing flags (``prefix`` "router-" when mounted on ``serve``)."""
+    """The routing flags (``prefix`` "router-" when mounted on ``serve``, where
+    the block size is the engines' own ``--block-size``)."""
     group = parser.add_argument_group("routing")
     group.add_argument(f"--{prefix}policy", default="prefix", choices=list(policies.POLICIES),
                        help="prefix: same prompt prefix, same backend while its load allows "
                             "(default); least_load: fewest running + waiting requests; "
                             "round_robin: in turn")
-    group.add_argument(f"--{prefix}block-size", type=int, default=policies.DEFAULT_BLOCK_SIZE,
-                       help="tokens per hashed prompt block (the engines' --block-size; "
-                            "default: %(default)s)")
+    if not prefix:
+        group.add_argument("--block-size", type=int, default=policies.DEFAULT_BLOCK_SIZE,
+                           help="tokens per hashed prompt block (the engines' --block-size; "
+                                "default: %(default)s)")
     group.add_argument(f"--{prefix}balance-threshold", type=float,
                        default=policies.DEFAULT_BALANCE_THRESHOLD,
                        help="prefix policy: go to the least-loaded backend instead when the "
@@ -115,8 +118,8 @@ class RouterOptions:
 def options_from_args(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     """The routing flags' values (see ``add_router_options``)."""
     name = prefix.replace("-", "_")
-    return {field: getattr(args, name + field) for field in (
-        "policy", "block_size", "balance_threshold", "max_prefix_entries", "health_interval_s")}
+    fields = ("policy", "balance_threshold", "max_prefix_entries", "health_interval_s")
+    return {field: getattr(args, name + field) for field in fields}
 
 
 def check_options(options: RouterOptions) -> list[str]:
@@ -167,9 +170,11 @@ def build_state(options: RouterOptions) -> Any:
     return RouterState(pool, policy, PromptKeyer(tokenizer, options.block_size), client)
 
 
-async def check_backends(pool: BackendPool, timeout_s: float) -> None:
-    """Wait for the backends; OSError naming them when none answers."""
-    down = await pool.wait_healthy(timeout_s)
+async def check_backends(pool: BackendPool, timeout_s: float,
+                         abort: Callable[[], str | None] = lambda: None) -> None:
+    """Wait for the backends; OSError naming them when none answers (or when
+    ``abort`` returns a reason to stop waiting)."""
+    down = await pool.wait_healthy(timeout_s, abort)
     named = ", ".join(f"{b.url} ({b.last_error})" for b in down)
     if len(down) == len(pool.backends):
         raise OSError(f"no backend answered within {timeout_s:g} s: {named}")
@@ -177,16 +182,23 @@ async def check_backends(pool: BackendPool, timeout_s: float) -> None:
         logger.warning("these backends do not answer yet (they join when they do): %s", named)
 
 
-def run_router(options: RouterOptions) -> int:
-    """Serve until SIGTERM / Ctrl-C; the exit status."""
+def run_router(options: RouterOptions,
+               startup_abort: Callable[[], str | None] = lambda: None) -> int:
+    """Serve until SIGTERM / Ctrl-C; the exit status. ``startup_abort`` may
+    end the wait for the backends with a reason (an OSError)."""
     from kvserve.router.app import build_app
 
+    logging.getLogger("kvserve").setLevel(
+        min(logging.getLogger("kvserve").getEffectiveLevel(), logging.INFO))
     state = build_state(options)
     failure: list[BaseException] = []
 
+    def abort() -> str | None:
+        return "stopped by a signal" if server.should_exit else startup_abort()
+
     async def on_start() -> None:
         try:
-            await check_backends(state.pool, options.startup_timeout_s)
+            await check_backends(state.pool, options.startup_timeout_s, abort)
         except OSError as exc:
             failure.append(exc)
             raise
@@ -206,8 +218,6 @@ def run_router(options: RouterOptions) -> int:
 
 
 def run_router_command(args: argparse.Namespace) -> int:
-    logging.getLogger("kvserve").setLevel(
-        min(logging.getLogger("kvserve").getEffectiveLevel(), logging.INFO))
     options = RouterOptions(
         backends=args.backend, host=args.host, port=args.port, tokenizer=args.tokenizer,
         startup_timeout_s=args.startup_timeout_s, shutdown_timeout_s=args.shutdown_timeout,
