@@ -109,7 +109,8 @@ class Forwarder:
             return error_response(400, f"the request body is not valid JSON: {exc}")
         if not isinstance(payload, dict):
             return error_response(400, "the request body must be a JSON object")
-        key = self.state.keyer.key(path, payload)
+        # tokenizing and hashing a long prompt takes milliseconds: off the event loop
+        key = await asyncio.to_thread(self.state.keyer.key, path, payload)
         headers = {name: value for name, value in request.headers.items()
                    if name in FORWARDED_HEADERS}
         try:

@@ -61,17 +61,21 @@ def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
+def _packed(token_ids: Sequence[int]) -> bytes:
+    return token_ids if isinstance(token_ids, bytes) else array("q", token_ids).tobytes()
+
+
 def prefix_key(token_ids: Sequence[int], block_size: int,
                max_blocks: int = DEFAULT_MAX_PREFIX_BLOCKS) -> PrefixKey:
-    """The ``PrefixKey`` of a prompt's token ids (or byte values)."""
+    """The ``PrefixKey`` of a prompt's token ids (or its UTF-8 bytes)."""
     hashes: list[bytes] = []
     previous = b""
     num_blocks = min(len(token_ids) // block_size, max_blocks)
     for index in range(num_blocks):
         block = token_ids[index * block_size:(index + 1) * block_size]
-        previous = _digest(previous + array("q", block).tobytes())
+        previous = _digest(previous + _packed(block))
         hashes.append(previous)
-    short = b"" if hashes else _digest(array("q", token_ids).tobytes())
+    short = b"" if hashes else _digest(_packed(token_ids))
     return PrefixKey(tuple(hashes), short)
 
 
