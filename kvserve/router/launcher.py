@@ -209,7 +209,11 @@ def run_router(options: RouterOptions,
         timeout_graceful_shutdown=max(int(options.shutdown_timeout_s), 1), lifespan="on"))
     logger.info("kvserve router: %s policy over %s on http://%s:%d", options.policy,
                 ", ".join(state.pool.by_url), options.host, options.port)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's exit after a failed start-up
+        if not failure:
+            raise
     if failure:
         raise failure[0]
     if not server.started:
@@ -222,6 +226,6 @@ def run_router_command(args: argparse.Namespace) -> int:
         backends=args.backend, host=args.host, port=args.port, tokenizer=args.tokenizer,
         startup_timeout_s=args.startup_timeout_s, shutdown_timeout_s=args.shutdown_timeout,
         uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_access_log,
-        **options_from_args(args))
+        block_size=args.block_size, **options_from_args(args))
     return run_router(options)
 
