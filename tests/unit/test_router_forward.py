@@ -86,7 +86,7 @@ def test_a_refusing_backend_is_skipped_for_the_next() -> None:
 
 def test_no_backend_left_gives_503_with_retry_after() -> None:
     async def run() -> None:
-        state, client = router({A: busy, B: refuse})
+        _, client = router({A: busy, B: refuse})
         response = await client.post("/v1/chat/completions",
                                      json={"model": "m", "messages": []})
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
