@@ -33,6 +33,7 @@ logger = logging.getLogger("kvserve.router")
 # flags of `serve` that the children must not inherit: (name, takes a value)
 PARENT_ONLY_FLAGS = {"--data-parallel-size": True, "--host": True, "--port": True,
                      "--router-policy": True, "--router-balance-threshold": True,
+                     "--router-prefix-min-match": True,
                      "--router-max-prefix-entries": True, "--router-health-interval-s": True,
                      "--router-startup-timeout-s": True}
 CHILD_STOP_GRACE_S = 10.0

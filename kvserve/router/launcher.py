@@ -53,6 +53,11 @@ def add_router_options(parser: argparse.ArgumentParser | Any, prefix: str = "") 
                        help="prefix policy: go to the least-loaded backend instead when the "
                             "prefix's backend has this many more requests (default: "
                             "%(default)s)")
+    group.add_argument(f"--{prefix}prefix-min-match", type=float,
+                       default=policies.DEFAULT_MIN_MATCH,
+                       help="prefix policy: follow a remembered prefix only when it covers "
+                            "this share of the prompt's blocks; shorter matches go to the "
+                            "least-loaded backend (default: %(default)s)")
     group.add_argument(f"--{prefix}max-prefix-entries", type=int,
                        default=policies.DEFAULT_MAX_PREFIX_ENTRIES,
                        help="prefix policy: block hashes remembered, least recently used "
@@ -106,6 +111,7 @@ class RouterOptions:
     policy: str
     block_size: int
     balance_threshold: float
+    prefix_min_match: float
     max_prefix_entries: int
     health_interval_s: float
     startup_timeout_s: float
@@ -118,7 +124,8 @@ class RouterOptions:
 def options_from_args(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     """The routing flags' values (see ``add_router_options``)."""
     name = prefix.replace("-", "_")
-    fields = ("policy", "balance_threshold", "max_prefix_entries", "health_interval_s")
+    fields = ("policy", "balance_threshold", "prefix_min_match", "max_prefix_entries",
+              "health_interval_s")
     return {field: getattr(args, name + field) for field in fields}
 
 
@@ -161,7 +168,7 @@ def build_state(options: RouterOptions) -> Any:
 
         tokenizer = load_tokenizer(options.tokenizer)
     policy = policies.make_policy(options.policy, urls, options.balance_threshold,
-                                  options.max_prefix_entries)
+                                  options.max_prefix_entries, options.prefix_min_match)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
                                limits=httpx.Limits(max_connections=None,
                                                    max_keepalive_connections=256))

@@ -10,10 +10,13 @@ backends' health and load are ``backends.py``'s, the HTTP is ``app.py``'s).
 - ``prefix``: the backend that most probably holds the longest cached prefix
   of the prompt. A table maps each routed block-chain hash to the backends it
   went to (LRU-bounded); the deepest hash found picks among its backends the
-  least loaded one. A prompt seen nowhere goes where a consistent-hash ring
-  puts the hash of its first block (adding a backend moves about 1/N of the
-  new prefixes). Either choice yields to the least-loaded backend when it is
-  more than ``balance_threshold`` requests busier than that one.
+  least loaded one, when it covers at least ``min_match`` of the prompt's
+  blocks (a shorter match, such as a system prompt alone, is worth less than
+  balance: the least-loaded backend gets it). A prompt seen nowhere goes where
+  a consistent-hash ring puts the hash of its first block (adding a backend
+  moves about 1/N of the new prefixes). Either choice yields to the
+  least-loaded backend when it is more than ``balance_threshold`` requests
+  busier than that one.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import ClassVar
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_BALANCE_THRESHOLD = 16.0
+DEFAULT_MIN_MATCH = 0.5
 DEFAULT_MAX_PREFIX_ENTRIES = 200_000
 DEFAULT_MAX_PREFIX_BLOCKS = 1024
 VIRTUAL_NODES = 64
@@ -162,10 +166,14 @@ class PrefixAwarePolicy(RoutingPolicy):
     name = "prefix"
 
     def __init__(self, urls: Sequence[str], balance_threshold: float = DEFAULT_BALANCE_THRESHOLD,
-                 max_entries: int = DEFAULT_MAX_PREFIX_ENTRIES) -> None:
+                 max_entries: int = DEFAULT_MAX_PREFIX_ENTRIES,
+                 min_match: float = DEFAULT_MIN_MATCH) -> None:
         super().__init__(urls)
         if not balance_threshold >= 0:
             raise ValueError(f"balance_threshold={balance_threshold} is invalid: must be >= 0")
+        if not 0 <= min_match <= 1:
+            raise ValueError(f"min_match={min_match} is invalid: must be in [0, 1]")
+        self.min_match = min_match
         if max_entries < 1:
             raise ValueError(f"max_entries={max_entries} is invalid: must be >= 1")
         self.balance_threshold = balance_threshold
@@ -192,6 +200,8 @@ class PrefixAwarePolicy(RoutingPolicy):
             owners = [c for c in candidates
                       if c.url in self._table.get(key.block_hashes[depth - 1], ())]
             if owners:
+                if depth < self.min_match * len(key.block_hashes):
+                    return Decision(lightest.url, "least_load")
                 best = least_loaded(owners)
                 if fits(best.url):
                     return Decision(best.url, "prefix_hit", depth)
@@ -231,10 +241,10 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
 
 
 def make_policy(name: str, urls: Sequence[str], balance_threshold: float,
-                max_entries: int) -> RoutingPolicy:
+                max_entries: int, min_match: float = DEFAULT_MIN_MATCH) -> RoutingPolicy:
     """The policy called ``name``; ValueError listing the names otherwise."""
     if name == PrefixAwarePolicy.name:
-        return PrefixAwarePolicy(urls, balance_threshold, max_entries)
+        return PrefixAwarePolicy(urls, balance_threshold, max_entries, min_match)
     if name not in POLICIES:
         raise ValueError(f"--policy={name!r} is invalid: choose one of {', '.join(POLICIES)}")
     return POLICIES[name](urls)

@@ -89,6 +89,19 @@ def test_prefix_policy_yields_to_load_beyond_the_threshold() -> None:
     assert decision.url != home and decision.reason == "load_fallback"
 
 
+def test_a_short_shared_prefix_is_worth_less_than_balance() -> None:
+    policy = PrefixAwarePolicy(URLS, balance_threshold=100, min_match=0.5)
+    system = tokens(11, 32)  # 2 blocks shared by every conversation
+    home = policy.choose(idle(), prefix_key([*system, *tokens(1, 64)], 16)).url
+    loads = [Candidate(url, 3.0 if url == home else 0.0) for url in URLS]
+    # a new conversation matches 2 of its 6 blocks: the least-loaded backend takes it
+    decision = policy.choose(loads, prefix_key([*system, *tokens(2, 64)], 16))
+    assert decision.url != home and decision.reason == "least_load"
+    # the first conversation's next turn matches 6 of 7 blocks: it stays home
+    decision = policy.choose(loads, prefix_key([*system, *tokens(1, 64), *tokens(3, 16)], 16))
+    assert decision.url == home and decision.reason == "prefix_hit"
+
+
 def test_prefix_policy_without_a_key_balances_load() -> None:
     policy = PrefixAwarePolicy(URLS)
     loads = [Candidate("http://a:1", 2.0), Candidate("http://b:1", 0.5),
@@ -122,6 +135,8 @@ def test_policy_and_url_errors_name_the_flag() -> None:
         make_policy("random", URLS, 1.0, 10)
     with pytest.raises(ValueError, match="balance_threshold=-1"):
         make_policy("prefix", URLS, -1.0, 10)
+    with pytest.raises(ValueError, match="min_match=2"):
+        make_policy("prefix", URLS, 1.0, 10, min_match=2)
     assert check_backend_url("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
     for bad in ("127.0.0.1:8000", "ftp://h:1", "http://h:99999", "http://h:1/v1"):
         with pytest.raises(ValueError, match="--backend"):
