@@ -129,6 +129,12 @@ async def prefix_counters(client: httpx.AsyncClient, router: str) -> tuple[float
     return queries, hits
 
 
+async def requests_per_backend(client: httpx.AsyncClient, router: str) -> list[float]:
+    text = (await client.get(router + "/metrics")).text
+    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("kvserve:router_requests_total{")]
+
+
 async def run_w5(args: argparse.Namespace, url: str, vocab_size: int) -> dict[str, Any]:
     convs = conversations(args, vocab_size)
     ttfts: list[float] = []
@@ -144,11 +150,13 @@ async def run_w5(args: argparse.Namespace, url: str, vocab_size: int) -> dict[st
         await asyncio.gather(*(converse(turns) for turns in convs))
         wall_s = time.perf_counter() - start
         queries1, hits1 = await prefix_counters(c, url)
+        per_backend = await requests_per_backend(c, url)
     ttfts.sort()
     return {"requests": len(ttfts), "wall_s": wall_s,
             "ttft_p50_s": statistics.median(ttfts),
             "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-            "prefix_hit_rate": (hits1 - hits0) / max(queries1 - queries0, 1.0)}
+            "prefix_hit_rate": (hits1 - hits0) / max(queries1 - queries0, 1.0),
+            "requests_per_backend": per_backend}
 
 
 async def run_w2(args: argparse.Namespace, url: str, vocab_size: int) -> dict[str, Any]:
