@@ -4,8 +4,9 @@
 policy picks; the body and the ``Authorization`` header pass through
 unchanged, and the backend's answer comes back as it is (a stream relayed
 frame by frame). A backend that cannot be reached, or refuses with 503 / 429
-before starting, is skipped for the next choice; when none is left the
-client gets 503 with ``Retry-After``. A backend that goes away mid-stream
+before starting, is skipped for the next choice (so is one that fails before
+a non-streamed answer: the client has received nothing yet); when none is
+left the client gets 503 with ``Retry-After``. A backend that goes away mid-stream
 ends that stream with an OpenAI error frame and ``[DONE]``; a client that
 goes away closes the backend connection, which aborts the request there.
 ``/v1/models`` comes from any healthy backend; ``/health`` and ``/ready``
