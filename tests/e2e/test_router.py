@@ -70,13 +70,16 @@ def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
     logs = tmp_path_factory.mktemp("router")
     backends = [launch(tiny_model, logs / f"backend{i}.log", ["--num-kv-blocks", "64"],
                        wait_ready=False) for i in range(2)]
-    for backend in backends:  # started together, waited for in turn
-        _wait_ready(backend)
-    router = launch_router(logs / "router.log", [b.url for b in backends],
-                           ["--tokenizer", str(tiny_model), "--policy", "prefix"])
-    yield backends, router
-    for server in (router, *backends):
-        server.stop()
+    try:
+        for backend in backends:  # started together, waited for in turn
+            _wait_ready(backend)
+        router = launch_router(logs / "router.log", [b.url for b in backends],
+                               ["--tokenizer", str(tiny_model), "--policy", "prefix"])
+        yield backends, router
+        router.stop()
+    finally:
+        for backend in backends:
+            backend.stop()
 
 
 def test_greedy_outputs_through_the_router_equal_one_engines(
