@@ -447,7 +447,7 @@ class ModelRunner:
             self._biased.discard(request_id)
             self.matchers.remove(request_id)
             if self.spec is not None and request_id in self.rows:
-                self.spec.on_finished(self.rows[request_id])
+                self.spec.on_finished(request_id, self.rows[request_id])
             self._free_row(request_id)
         for request_id in scheduler_output.preempted_request_ids:
             self._free_row(request_id)

@@ -105,6 +105,28 @@ def test_greedy_output_is_identical_with_speculation(
         assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
+def test_forced_oracle_accepts_what_its_coin_says(target: Path, alpha: float) -> None:
+    config = spec("oracle", k=4, acceptance_rate=alpha, forced_acceptance=True)
+    params = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
+    outputs, llm = generate(target, params, PROMPTS[:2], speculative_config=config)
+    assert all(len(o[0][0]) == 90 for o in outputs)
+    stats = llm.stats()
+    drafted = stats["spec_decode_num_draft_tokens"]
+    accepted = stats["spec_decode_num_accepted_tokens"]
+    assert drafted > 0  # no first pass: it proposes from the first step
+    if alpha in (0.0, 1.0):
+        assert accepted == alpha * drafted
+    else:
+        assert abs(stats["spec_decode_num_accepted_tokens_per_pos"][0]
+                   / stats["spec_decode_num_drafted_tokens_per_pos"][0] - alpha) < 0.2
+
+
+def test_forced_acceptance_is_only_for_the_oracle(target: Path) -> None:
+    with pytest.raises(ValueError, match="forced_acceptance"):
+        LLM(model=str(target), speculative_config=spec("ngram", forced_acceptance=True))
+
+
 def test_a_draft_equal_to_the_target_is_always_accepted(target: Path) -> None:
     outputs, llm = generate(target, GREEDY, PROMPTS[:3],
                             speculative_config=spec("draft_model", k=4, model=str(target)))
