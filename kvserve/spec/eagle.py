@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,10 +38,7 @@ from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.llama import LlamaAttention, LlamaDecoderLayer
 from kvserve.models.registry import CausalLM
-from kvserve.spec.proposer import ChainProposer, ProposerStep
-
-if TYPE_CHECKING:
-    from kvserve.worker.model_runner import ModelRunner
+from kvserve.spec.proposer import ChainProposer, ProposerSetting, ProposerStep
 
 
 def head_model_config(config: dict[str, Any], source: str) -> ModelConfig:
@@ -182,11 +179,9 @@ def load_eagle_head(path: Path, device: torch.device, dtype: torch.dtype) -> Eag
     return head.eval()
 
 
-def load_eagle_proposer(runner: ModelRunner, path: Path) -> EagleProposer:
-    head = load_eagle_head(path, runner.device, runner.dtype)
-    if runner.sampler.use_triton:
+def load_eagle_proposer(setting: ProposerSetting, target: CausalLM, path: Path) -> EagleProposer:
+    """Load the head at ``path`` beside ``target`` (its embedding is shared)."""
+    head = load_eagle_head(path, setting.device, setting.dtype)
+    if setting.use_triton:
         set_triton_ops(head, True)
-    return EagleProposer(
-        head, runner.model, backend=runner.backend, device=runner.device, dtype=runner.dtype,
-        block_size=runner.block_size, max_model_len=runner.scheduler_config.max_model_len,
-        max_rows=runner.scheduler_config.max_num_seqs, graph_sizes=runner.cuda_graph_sizes)
+    return EagleProposer(head, target, **setting.chain_kwargs())

@@ -38,7 +38,7 @@ from kvserve.sampling.rejection import verify_proposals
 from kvserve.sampling.sampler import SamplerOutput, SamplingBatch, forbidden_token_ids
 from kvserve.spec.ngram import NgramProposer
 from kvserve.spec.oracle import OracleProposer
-from kvserve.spec.proposer import ChainProposer, ProposerStep
+from kvserve.spec.proposer import ChainProposer, ProposerSetting, ProposerStep
 
 if TYPE_CHECKING:
     from kvserve.worker.model_runner import ModelRunner, PendingStep, StepInputs
@@ -78,13 +78,20 @@ class SpecDecodeRunner:
             from kvserve.spec.draft_model import load_draft_proposer
 
             assert path is not None, "SpeculativeConfig checks that a draft has a path"
-            proposer = load_draft_proposer(runner, path, load_format)
+            proposer = load_draft_proposer(cls._setting(runner), path, load_format)
         elif config.method == "eagle":
             from kvserve.spec.eagle import load_eagle_proposer
 
             assert path is not None, "SpeculativeConfig checks that a head has a path"
-            proposer = load_eagle_proposer(runner, Path(path))
+            proposer = load_eagle_proposer(cls._setting(runner), runner.model, Path(path))
         return cls(runner, config, proposer)
+
+    @staticmethod
+    def _setting(runner: ModelRunner) -> ProposerSetting:
+        return ProposerSetting(
+            runner.backend, runner.device, runner.dtype, runner.block_size,
+            runner.scheduler_config.max_model_len, runner.scheduler_config.max_num_seqs,
+            runner.cuda_graph_sizes, runner.sampler.use_triton)
 
     # ------------------------------------------------------------ the pool
 
