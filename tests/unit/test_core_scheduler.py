@@ -110,6 +110,19 @@ def run_core_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[st
     return outputs
 
 
+def finish_and_check(core: EngineCore, got: dict[str, list[int]],
+                     expected: dict[str, list[int]], aborted: set[str]) -> None:
+    """Run ``core`` dry; each request got its expected tokens (an aborted one
+    a prefix of them)."""
+    for request_id, tokens in run_core_to_completion(core).items():
+        got.setdefault(request_id, []).extend(tokens)
+    for request_id, tokens in expected.items():
+        if request_id not in aborted:
+            assert got[request_id] == tokens, request_id
+        else:
+            assert got.get(request_id, []) == tokens[:len(got.get(request_id, []))]
+
+
 def make_scheduler(num_blocks: int = 64, block_size: int = 4,
                    lora_config: LoRAConfig | None = None,
                    step_token_sizes: tuple[int, ...] = (), **kwargs: object) -> Scheduler:
@@ -479,13 +492,7 @@ def test_randomised_add_abort_step_keeps_invariants(seed: int, async_scheduling:
             aborted.add(victim)
         for core_out in core.step():
             got.setdefault(core_out.request_id, []).extend(core_out.new_token_ids)
-    for request_id, tokens in run_core_to_completion(core).items():
-        got.setdefault(request_id, []).extend(tokens)
-    for request_id, tokens in expected.items():
-        if request_id not in aborted:
-            assert got[request_id] == tokens, request_id
-        else:
-            assert got.get(request_id, []) == tokens[:len(got.get(request_id, []))]
+    finish_and_check(core, got, expected, aborted)
     pool = core.scheduler.kv_manager.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
     for block in pool.blocks[1:]:

@@ -43,6 +43,24 @@ def spec(method: str, k: int = 3, **extra: Any) -> dict[str, Any]:
     return {"method": method, "num_speculative_tokens": k, "auto_disable": False, **extra}
 
 
+def spy_on_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """A list that collects (the request's tokens, its proposals) each time
+    the runner reads a speculative step's proposals."""
+    runner: Any = llm.engine.core.executor
+    seen: list[tuple[list[int], list[int]]] = []
+    read = runner.spec._read
+
+    def spy(step: Any, output: Any, record: Any) -> None:
+        read(step, output, record)
+        for request_id, proposals in output.spec_token_ids.items():
+            row = runner.rows[request_id]
+            seen.append((runner.batch.token_ids[row, :runner.batch.num_tokens[row]].tolist(),
+                         proposals))
+
+    runner.spec._read = spy
+    return seen
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("target"), with_tokenizer=True)
@@ -145,18 +163,7 @@ def test_draft_proposals_are_its_greedy_continuation(target: Path, tmp_path: Pat
     shutil.copy(target / "tokenizer.json", draft_path / "tokenizer.json")
     llm = LLM(model=str(target), block_size=4,
               speculative_config=spec("draft_model", k=3, model=str(draft_path)))
-    runner: Any = llm.engine.core.executor
-    seen: list[tuple[list[int], list[int]]] = []
-    read = runner.spec._read
-
-    def spy(step: Any, output: Any, record: Any) -> None:
-        read(step, output, record)
-        for request_id, proposals in output.spec_token_ids.items():
-            row = runner.rows[request_id]
-            seen.append((runner.batch.token_ids[row, :runner.batch.num_tokens[row]].tolist(),
-                         proposals))
-
-    runner.spec._read = spy
+    seen = spy_on_proposals(llm)
     llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     reference = transformers.AutoModelForCausalLM.from_pretrained(draft_path).eval()
     assert len(seen) > 10

@@ -32,6 +32,7 @@ from tests.unit.test_core_scheduler import (
     EOS,
     VOCAB,
     fake_token,
+    finish_and_check,
     make_request,
     reference_output,
     run_core_to_completion,
@@ -333,11 +334,5 @@ def test_randomised_spec_runs_keep_invariants(seed: int, async_scheduling: bool)
             aborted.add(victim)
         for core_out in core.step():
             got.setdefault(core_out.request_id, []).extend(core_out.new_token_ids)
-    for request_id, tokens in run_core_to_completion(core).items():
-        got.setdefault(request_id, []).extend(tokens)
-    for request_id, tokens in expected.items():
-        if request_id not in aborted:
-            assert got[request_id] == tokens, request_id
-        else:
-            assert got.get(request_id, []) == tokens[:len(got.get(request_id, []))]
+    finish_and_check(core, got, expected, aborted)
     assert_pool_idle(core)
