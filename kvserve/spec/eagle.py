@@ -149,6 +149,20 @@ def save_eagle_head(head: EagleHead, config: dict[str, Any], path: Path) -> None
                for name, param in head.named_parameters()}, str(path / "model.safetensors"))
 
 
+def write_random_eagle_head(target_config: dict[str, Any], path: Path, std: float,
+                            seed: int = 0) -> Path:
+    """An untrained head for a target (normal weights of ``std``, norm scales
+    1) written to ``path``: for tests and for timing on random weights."""
+    config = eagle_head_config(target_config)
+    torch.manual_seed(seed)
+    head = EagleHead(head_model_config(config, "random"))
+    with torch.no_grad():
+        for param in head.parameters():
+            param.normal_(0.0, std) if param.dim() > 1 else param.fill_(1.0)
+    save_eagle_head(head, config, path)
+    return path
+
+
 def load_eagle_head(path: Path, device: torch.device, dtype: torch.dtype) -> EagleHead:
     """A head from its directory; ValueError naming a tensor that does not fit."""
     from safetensors.torch import load_file

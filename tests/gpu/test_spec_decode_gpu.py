@@ -8,6 +8,7 @@ acceptance 1.0 accepts all."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +33,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
 
 
 def random_head(tmp_path: Path) -> Path:
-    import json
-
     from kvserve.assets import default_model_path
-    from kvserve.spec.eagle import EagleHead, eagle_head_config, head_model_config, save_eagle_head
+    from kvserve.spec.eagle import write_random_eagle_head
 
-    config = eagle_head_config(json.loads((default_model_path() / "config.json").read_text()))
-    torch.manual_seed(0)
-    head = EagleHead(head_model_config(config, "test"))
-    with torch.no_grad():
-        for param in head.parameters():
-            param.normal_(0.0, 0.05) if param.dim() > 1 else param.fill_(1.0)
-    save_eagle_head(head, config, tmp_path / "head")
-    return tmp_path / "head"
+    return write_random_eagle_head(
+        json.loads((default_model_path() / "config.json").read_text()), tmp_path / "head", 0.05)
 
 
 def configs(tmp_path: Path) -> dict[str, dict[str, Any]]:

@@ -144,7 +144,8 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int = 8,
                    lora_int_id=lora_int_id)
 
 
-def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
+def check_pool(scheduler: Scheduler) -> None:
+    """Every block's reference count is its owners' count; free iff unowned."""
     pool = scheduler.kv_manager.pool
     owners: dict[int, int] = {}
     for blocks in scheduler.kv_manager.req_to_blocks.values():
@@ -156,6 +157,10 @@ def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
         assert not (pool.is_free(block) and block.ref_cnt > 0), "block both free and owned"
         if block.ref_cnt == 0 and block.block_id != NULL_BLOCK_ID:
             assert pool.is_free(block), f"unowned block {block.block_id} not in free queue"
+
+
+def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
+    check_pool(scheduler)
     cfg = scheduler.config
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(out.num_scheduled_tokens) <= cfg.max_num_seqs

@@ -20,7 +20,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.outputs import RequestOutput
-from kvserve.spec.eagle import EagleHead, eagle_head_config, head_model_config, save_eagle_head
+from kvserve.spec.eagle import write_random_eagle_head
 from tests.conftest import make_tiny_checkpoint
 
 PROMPTS = [
@@ -70,14 +70,8 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def random_head(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An untrained EAGLE head for the tiny target (its proposals are poor;
     the output must not care)."""
-    config = eagle_head_config(json.loads((target / "config.json").read_text()))
-    torch.manual_seed(0)
-    head = EagleHead(head_model_config(config, "test"))
-    with torch.no_grad():
-        for param in head.parameters():
-            param.normal_(0.0, 0.1) if param.dim() > 1 else param.fill_(1.0)
     path = tmp_path_factory.mktemp("head")
-    save_eagle_head(head, config, path)
+    write_random_eagle_head(json.loads((target / "config.json").read_text()), path, 0.1)
     return path
 
 
