@@ -12,7 +12,9 @@ aborted with ``finish_reason: "abort"``, then the process exits 0. A second
 signal aborts them at once (then exits 0 the same way), a third ends the
 process on the spot. When the engine dies (a forward raised, or one ran
 past ``--engine-watchdog-s``) the process exits 1, without waiting for a
-hung engine thread. ``kvserve serve MODEL`` is ``--model MODEL``.
+hung engine thread. ``kvserve serve MODEL`` is ``--model MODEL``. With
+``--data-parallel-size N`` it starts N such servers as children behind a
+``kvserve router`` (``kvserve/router/data_parallel.py``).
 """
 
 from __future__ import annotations
@@ -92,8 +94,22 @@ def add_serve_parser(sub: Any) -> None:
                        help="log each request's prompt length and sampling parameters")
     group.add_argument("--disable-log-requests", action="store_false", dest="log_requests",
                        default=False, help="do not log each request (the default; vLLM's spelling)")
+    _add_data_parallel_args(parser)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run_serve)
+
+
+def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
+    from kvserve.router.launcher import add_router_options
+
+    group = parser.add_argument_group("data parallelism")
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="N > 1: N engine servers (one per GPU, or per tensor x pipeline "
+                            "group of GPUs) behind one kvserve router on --host / --port")
+    group.add_argument("--router-startup-timeout-s", type=float, default=600.0,
+                       help="with --data-parallel-size: seconds to wait for the engines to "
+                            "load (default: %(default)s)")
+    add_router_options(parser, prefix="router-")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -162,6 +178,13 @@ def run_serve(args: argparse.Namespace) -> int:
     _take_model_tag(args)
     engine_args = EngineArgs.from_cli_args(args)
     engine_config = engine_args.create_engine_config()  # a bad --model fails here, exit 2
+    if args.data_parallel_size != 1:
+        from kvserve.router.data_parallel import run_data_parallel
+
+        if args.data_parallel_size < 1 or engine_config.parallel_config.nnodes > 1:
+            raise ValueError(f"--data-parallel-size={args.data_parallel_size} is invalid: "
+                             "must be >= 1, on one node")
+        return run_data_parallel(args, getattr(args, "argv", sys.argv[1:]), engine_config)
     if engine_config.parallel_config.node_rank > 0:  # a worker node of a multi-node engine
         from kvserve.engine.engine_core import run_worker_node
 
