@@ -5,7 +5,8 @@ the attention kernels. The write is ``store_kv``, or,
 when the layer hands over its rotary embedding (``rope``), ``rope_store_kv``:
 one launch that rotates q in place and stores the rotated k with v, leaving
 the same bits as ``apply_rotary`` then ``store_kv`` with a launch fewer per
-layer. In a decode step (every request one new token) with full rotary,
+layer. An fp8 or int8 cache comes with its scales (``kv_scales``): the
+writes quantise into it and the attention kernels dequantise as they read. In a decode step (every request one new token) with full rotary,
 ``decode_attention`` does that work itself (``new_kv``), one launch a layer
 in all. Then:
 
@@ -57,6 +58,7 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None,
         rope: FusedRope | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
         if (rope is not None and metadata.max_query_len == 1
@@ -66,21 +68,23 @@ class TritonAttentionBackend:
                 q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
                 metadata.max_seq_len, scale, sliding_window,
                 new_kv=NewKV(k, v, metadata.slot_mapping, rope.cos_sin_cache),
+                kv_scales=kv_scales,
             )
         if rope is None:
-            store_kv(k, v, kv_cache, metadata.slot_mapping)
+            store_kv(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         else:
             rope_store_kv(q, k, v, kv_cache, metadata.slot_mapping, rope.positions,
-                          rope.cos_sin_cache, rope.rotary_dim)
+                          rope.cos_sin_cache, rope.rotary_dim, kv_scales)
         out = None
         if metadata.max_query_len > 1:
             out = prefill_attention(
                 q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
                 metadata.max_query_len, scale, sliding_window, skip_decodes=True,
+                kv_scales=kv_scales,
             )
         return decode_attention(
             q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-            metadata.max_seq_len, scale, sliding_window, out=out,
+            metadata.max_seq_len, scale, sliding_window, out=out, kv_scales=kv_scales,
         )
 
 

@@ -1,7 +1,11 @@
 """Sizing and allocating the KV cache tensors, and the memory checks of start-up.
 
 One tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(K then V). The number of blocks comes from ``num_kv_blocks`` when given,
+(K then V), in the model's dtype or, with ``kv_cache_dtype`` fp8_e4m3 or
+int8, quantised (``kernels/kv_quant.py``), with one float32 scales tensor
+per layer beside it: ``[2, num_kv_heads]`` for fp8 (the checkpoint's, else
+1.0), ``[2, num_blocks, block_size, num_kv_heads]`` for int8 (per token,
+counted in the block's bytes). The number of blocks comes from ``num_kv_blocks`` when given,
 else from a memory budget: on CUDA the share ``gpu_memory_utilization`` of
 the card minus what is already used (weights, context, other processes) and
 the peak step the model runner profiled, on CPU ``cpu_kv_cache_bytes``;
@@ -15,19 +19,35 @@ from __future__ import annotations
 
 import logging
 
+from collections.abc import Sequence
+
 import torch
 
+from kvserve.attention.kv_quant import KV_CACHE_DTYPES
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 
 logger = logging.getLogger(__name__)
+
+SCALE_DTYPE = torch.float32
+
+
+def kv_cache_dtype(cache_config: CacheConfig, dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type: the model's ``dtype`` for "auto", else quantised."""
+    if cache_config.kv_cache_dtype == "auto":
+        return dtype
+    return KV_CACHE_DTYPES[cache_config.kv_cache_dtype]
 
 
 def kv_bytes_per_block(
     model_config: ModelConfig, block_size: int, dtype: torch.dtype
 ) -> int:
+    """Bytes of one block over all layers in a cache of ``dtype``, an int8
+    cache's per-token scales included."""
     element_bytes = torch.empty((), dtype=dtype).element_size()
-    return (2 * model_config.num_layers * block_size * model_config.num_kv_heads
-            * model_config.head_dim * element_bytes)
+    per_token_head = model_config.head_dim * element_bytes
+    if dtype == torch.int8:
+        per_token_head += SCALE_DTYPE.itemsize
+    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * per_token_head
 
 
 def check_weights_fit(
@@ -98,8 +118,10 @@ def allocate_kv_caches(
     device: torch.device,
     dtype: torch.dtype,
     reserved_bytes: int = 0,
+    model_dtype: torch.dtype | None = None,
 ) -> tuple[list[torch.Tensor], int]:
-    """Per-layer KV tensors and the number of usable blocks."""
+    """Per-layer KV tensors of ``dtype`` (the cache's) and the number of usable
+    blocks; a quantised cache's log line compares it with ``model_dtype``'s."""
     num_blocks = determine_num_blocks(model_config, cache_config, scheduler_config, device, dtype,
                                       reserved_bytes)
     shape = (2, num_blocks + 1, cache_config.block_size, model_config.num_kv_heads,
@@ -108,13 +130,44 @@ def allocate_kv_caches(
               for _ in range(model_config.num_layers)]
     block_bytes = kv_bytes_per_block(model_config, cache_config.block_size, dtype)
     max_tokens = num_blocks * cache_config.block_size
+    gain = ""
+    if model_dtype is not None and model_dtype != dtype:
+        ratio = kv_bytes_per_block(model_config, 1, model_dtype) / kv_bytes_per_block(
+            model_config, 1, dtype)
+        gain = f", {ratio:.2f}x the tokens of {_describe(model_dtype)} in the same memory"
     logger.info(
-        "KV cache: %d blocks of %d tokens, %.2f GB, %d tokens at most "
-        "(%.1f requests of max_model_len=%d at once)",
-        num_blocks, cache_config.block_size, num_blocks * block_bytes / 1e9, max_tokens,
-        max_tokens / scheduler_config.max_model_len, scheduler_config.max_model_len,
+        "KV cache: %d blocks of %d tokens in %s, %.2f GB, %d tokens at most "
+        "(%.1f requests of max_model_len=%d at once%s)",
+        num_blocks, cache_config.block_size, _describe(dtype), num_blocks * block_bytes / 1e9,
+        max_tokens, max_tokens / scheduler_config.max_model_len, scheduler_config.max_model_len,
+        gain,
     )
     return caches, num_blocks
+
+
+def _describe(dtype: torch.dtype) -> str:
+    return {torch.int8: "int8 (a float32 scale per token and KV head)",
+            torch.float8_e4m3fn: "fp8_e4m3 (a float32 scale per layer and KV head)"}.get(
+                dtype, str(dtype).removeprefix("torch."))
+
+
+def allocate_kv_scales(
+    model_config: ModelConfig, dtype: torch.dtype, num_blocks: int, block_size: int,
+    device: torch.device, checkpoint_scales: Sequence[torch.Tensor | None],
+) -> list[torch.Tensor] | None:
+    """Per-layer scales of a cache of ``dtype`` with ``num_blocks`` blocks (the
+    null block included), or None for a 16- or 32-bit cache. fp8: each
+    layer's ``checkpoint_scales`` ([2, num_kv_heads], from the loader), or
+    1.0 where it has none; int8: zeros, written with the values."""
+    if dtype == torch.int8:
+        shape = (2, num_blocks, block_size, model_config.num_kv_heads)
+        return [torch.zeros(shape, dtype=SCALE_DTYPE, device=device)
+                for _ in range(model_config.num_layers)]
+    if dtype == torch.float8_e4m3fn:
+        ones = torch.ones((2, model_config.num_kv_heads), dtype=SCALE_DTYPE)
+        return [(ones if scales is None else scales).to(device=device, dtype=SCALE_DTYPE)
+                for scales in checkpoint_scales]
+    return None
 
 
 def allocate_scratch_kv_caches(

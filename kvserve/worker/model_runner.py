@@ -41,7 +41,7 @@ from kvserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, S
 from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.layers.attention import bind_kv_cache
+from kvserve.layers.attention import bind_kv_cache, get_attention_layers
 from kvserve.layers.custom_ops import set_triton_ops
 from kvserve.lora.manager import LoRAManager
 from kvserve.lora.request import LoRARequest
@@ -58,8 +58,10 @@ from kvserve.worker.cuda_graph import CudaGraphs
 from kvserve.worker.input_batch import PersistentBatch, StepBuffers
 from kvserve.worker.kv_cache import (
     allocate_kv_caches,
+    allocate_kv_scales,
     allocate_scratch_kv_caches,
     check_weights_fit,
+    kv_cache_dtype,
 )
 
 logger = logging.getLogger(__name__)
@@ -183,6 +185,9 @@ class ModelRunner:
         # row -> generator of the seeded random requests
         self._generators: dict[int, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
+        # an fp8 or int8 cache's per-layer scales (kernels/kv_quant.py), else None
+        self.kv_scales: list[torch.Tensor] | None = None
+        self.kv_cache_dtype = kv_cache_dtype(cache_config, dtype)
         self.num_kv_blocks = 0
         # wraps the LoRA-capable linears before any graph is captured
         self.lora_manager = (LoRAManager(model, lora_config, device)
@@ -246,9 +251,24 @@ class ModelRunner:
         reserved = self.profile_peak_step_bytes() if self.device.type == "cuda" else 0
         self.kv_caches, self.num_kv_blocks = allocate_kv_caches(
             self.model_config, self.cache_config, self.scheduler_config, self.device,
-            self.dtype, reserved,
+            self.kv_cache_dtype, reserved, model_dtype=self.dtype,
         )
-        bind_kv_cache(self.model, self.kv_caches, self.backend)
+        self.kv_scales = self._allocate_kv_scales(self.num_kv_blocks + 1)
+        has_scales = any(layer.checkpoint_kv_scales is not None
+                         for layer in get_attention_layers(self.model))
+        if self.kv_cache_dtype == torch.float8_e4m3fn:
+            logger.info("fp8 KV cache scales: %s", "the checkpoint's k/v scales"
+                        if has_scales else "1.0 (the checkpoint has none)")
+        elif has_scales:
+            logger.info("the checkpoint's k/v scales are unused: they serve "
+                        "kv_cache_dtype='fp8_e4m3', not '%s'", self.cache_config.kv_cache_dtype)
+        bind_kv_cache(self.model, self.kv_caches, self.backend, self.kv_scales)
+
+    def _allocate_kv_scales(self, num_blocks: int) -> list[torch.Tensor] | None:
+        """Scales for a quantised cache of ``num_blocks`` blocks (``kv_cache.py``)."""
+        checkpoint = [layer.checkpoint_kv_scales for layer in get_attention_layers(self.model)]
+        return allocate_kv_scales(self.model_config, self.kv_cache_dtype, num_blocks,
+                                  self.block_size, self.device, checkpoint)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check a PEFT adapter (ValueError naming what does not fit)."""
@@ -286,8 +306,8 @@ class ModelRunner:
         query_lens = largest_step_query_lens(sched)
         num_tokens, num_reqs = sum(query_lens), len(query_lens)
         scratch = allocate_scratch_kv_caches(self.model_config, self.cache_config, self.device,
-                                             self.dtype)
-        bind_kv_cache(self.model, scratch, self.backend)
+                                             self.kv_cache_dtype)
+        bind_kv_cache(self.model, scratch, self.backend, self._allocate_kv_scales(2))
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(self.device)
