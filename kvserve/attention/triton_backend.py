@@ -5,8 +5,7 @@ the attention kernels. The write is ``store_kv``, or,
 when the layer hands over its rotary embedding (``rope``), ``rope_store_kv``:
 one launch that rotates q in place and stores the rotated k with v, leaving
 the same bits as ``apply_rotary`` then ``store_kv`` with a launch fewer per
-layer. An fp8 or int8 cache comes with its scales (``kv_scales``): the
-writes quantise into it and the attention kernels dequantise as they read. In a decode step (every request one new token) with full rotary,
+layer. In a decode step (every request one new token) with full rotary,
 ``decode_attention`` does that work itself (``new_kv``), one launch a layer
 in all. Then:
 
@@ -19,6 +18,9 @@ in all. Then:
   fraction of the prefill kernel's work per position. Both kernels take the
   whole batch and pick their rows on the device, so the batch needs no
   reordering and a CUDA graph of the step holds for any mix.
+
+An fp8 or int8 cache comes with its scales (``kv_scales``): every write
+above quantises into it and both kernels dequantise as they read.
 
 The choice reads only host ints of the metadata; nothing here synchronises
 with the device. Kernels live in ``kvserve/kernels``; this module owns only

@@ -18,7 +18,6 @@ numbers and what would fit.
 from __future__ import annotations
 
 import logging
-
 from collections.abc import Sequence
 
 import torch
