@@ -37,16 +37,16 @@ import triton.language as tl
 KV_NONE = tl.constexpr(0)
 KV_FP8 = tl.constexpr(1)
 KV_INT8 = tl.constexpr(2)
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-INT8_MAX = 127.0  # symmetric: -128 is never written
+FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn
+INT8_MAX = tl.constexpr(127.0)  # symmetric: -128 is never written
 QUANTISED_DTYPES: dict[torch.dtype, int] = {torch.float8_e4m3fn: 1, torch.int8: 2}
 # 1.5 * 2**23: adding and subtracting it rounds a float32 below 2**22 to an
 # integer, ties to even
-_RINT_MAGIC = 12582912.0
+_RINT_MAGIC = tl.constexpr(12582912.0)
 # 2**14: adding and subtracting it rounds a float32 in [0, 2**-6) to a
 # multiple of 2**-9 (e4m3's subnormal step), ties to even
-_E4M3_SUBNORMAL_MAGIC = 16384.0
-_E4M3_MIN_NORMAL = 0.015625  # 2**-6
+_E4M3_SUBNORMAL_MAGIC = tl.constexpr(16384.0)
+_E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6
 
 
 def kv_quant_mode(dtype: torch.dtype) -> int:
