@@ -1,146 +1,91 @@
-"""The ``kvserve`` command: ``generate``, ``chat``, ``serve``, ``bench`` and ``plan``.
+"""The ``kvserve`` command: flags of ``generate`` and ``chat``, the
+subcommands mounted on one parser, and how every subcommand ends.
 
-Each subcommand adds its flags and sets ``func``; heavy imports (torch, the
-engine) happen inside the handlers so ``kvserve --help`` is instant.
+``main`` turns every failure into one line on stderr and an exit status:
+2 for bad input (a ``ValueError`` naming the flag or field), 1 for a
+failure of the machine or the network (``OSError``, out of memory) or a
+bug (the traceback only with ``--log-level DEBUG``), 130 for Ctrl-C. Heavy
+imports (torch, the engine) happen inside the handlers so ``kvserve
+--help`` is instant.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-import time
-from typing import TYPE_CHECKING
 
 from kvserve import __version__
 
-if TYPE_CHECKING:
-    from kvserve.core.sampling_params import SamplingParams
-    from kvserve.engine.llm_engine import LLMEngine, Prompt
+DESCRIPTION = ("kvserve: an LLM inference engine. Complete a prompt (generate), chat, serve "
+               "the OpenAI API (serve), benchmark (bench) or plan a deployment (plan).")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+EXIT_BAD_INPUT = 2
+EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130
+
+logger = logging.getLogger("kvserve.cli")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=max_tokens)
+    group.add_argument("--max-tokens", type=int, default=max_tokens,
+                       help="the most tokens to generate (default: %(default)s)")
     group.add_argument("--temperature", type=float, default=0.0,
                        help="0 = greedy (default)")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
-    group.add_argument("--presence-penalty", type=float, default=0.0)
-    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0,
+                       help="sample from the smallest set of tokens whose probabilities add up "
+                            "to this (default: 1, off)")
+    group.add_argument("--top-k", type=int, default=0,
+                       help="sample from the k most likely tokens (default: 0, off)")
+    group.add_argument("--min-p", type=float, default=0.0,
+                       help="drop tokens less likely than this times the most likely one "
+                            "(default: 0, off)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="> 1 discourages tokens already in the prompt or output "
+                            "(default: 1, off)")
+    group.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="in [-2, 2]: subtracted from the logits of tokens already "
+                            "generated (default: 0)")
+    group.add_argument("--frequency-penalty", type=float, default=0.0,
+                       help="in [-2, 2]: subtracted once per earlier occurrence of a token "
+                            "(default: 0)")
     group.add_argument("--sampling-seed", type=int, default=None,
                        help="per-request seed for reproducible sampling")
     group.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true")
-
-
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    from kvserve.core.sampling_params import SamplingParams
-
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        seed=args.sampling_seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
-
-
-def _make_engine(args: argparse.Namespace) -> LLMEngine:
-    from kvserve.engine.args import EngineArgs
-    from kvserve.engine.llm_engine import LLMEngine
-
-    return LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-
-
-def _stream(engine: LLMEngine, prompt: Prompt, params: SamplingParams) -> tuple[str, int, float]:
-    """Print the completion as it is generated; returns text, tokens, TTFT."""
-    start = time.perf_counter()
-    request_id = engine.add_request(prompt, params)
-    ttft = 0.0
-    text, num_tokens = "", 0
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.request_id != request_id:
-                continue
-            completion = output.outputs[0]
-            if num_tokens == 0 and completion.token_ids:
-                ttft = time.perf_counter() - start
-            sys.stdout.write(completion.delta_text)
-            sys.stdout.flush()
-            text, num_tokens = completion.text, len(completion.token_ids)
-    return text, num_tokens, ttft
-
-
-def run_generate(args: argparse.Namespace) -> int:
-    engine = _make_engine(args)
-    params = _sampling_params(args)
-    prompt = args.prompt
-    sys.stdout.write(prompt)
-    start = time.perf_counter()
-    _, num_tokens, ttft = _stream(engine, prompt, params)
-    elapsed = time.perf_counter() - start
-    decode_s = max(elapsed - ttft, 1e-9)
-    sys.stdout.write("\n")
-    print(
-        f"[kvserve] {num_tokens} tokens in {elapsed:.2f} s | TTFT {ttft * 1e3:.1f} ms | "
-        f"decode {max(num_tokens - 1, 0) / decode_s:.1f} tok/s | model {engine.config.model}",
-        file=sys.stderr,
-    )
-    return 0
-
-
-def run_chat(args: argparse.Namespace) -> int:
-    engine = _make_engine(args)
-    params = _sampling_params(args)
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    print("kvserve chat: type a message, /exit to quit.", file=sys.stderr)
-    while True:
-        try:
-            line = input("you> ")
-        except EOFError:
-            break
-        if line.strip() in ("/exit", "/quit"):
-            break
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        sys.stdout.write("assistant> ")
-        text, _, _ = _stream(engine, prompt, params)
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": text})
-    return 0
+    group.add_argument("--ignore-eos", action="store_true",
+                       help="keep generating past the end-of-sequence token")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench import add_bench_parser
     from kvserve.bench.plan_cli import add_plan_parser
+    from kvserve.console import run_chat, run_generate
     from kvserve.engine.args import EngineArgs
+    from kvserve.quantize.cli import add_quantize_parser
     from kvserve.server.launcher import add_serve_parser
 
-    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvserve", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                        help="log messages from this level up (default: WARNING; serve "
+                             "always logs its start-up at INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    generate = sub.add_parser("generate", help="complete a prompt, streamed to the terminal")
-    generate.add_argument("--prompt", default="def fibonacci(n):")
+    generate = sub.add_parser("generate", help="complete a prompt, streamed to the terminal",
+                              description="Complete a prompt, streamed to the terminal; Ctrl-C "
+                                          "stops the completion (exit status 130).")
+    generate.add_argument("--prompt", default="def fibonacci(n):",
+                          help="the text to complete (default: %(default)r)")
     EngineArgs.add_cli_args(generate)
     _add_sampling_args(generate, max_tokens=64)
     generate.set_defaults(func=run_generate)
 
-    chat = sub.add_parser("chat", help="interactive chat through the chat template")
+    chat = sub.add_parser("chat", help="interactive chat through the chat template",
+                          description="Chat through the model's chat template. Ctrl-C stops "
+                                      "a reply; Ctrl-C twice, Ctrl-D or /exit leaves; /clear "
+                                      "starts over.")
     chat.add_argument("--system", default=None, help="a system message")
     EngineArgs.add_cli_args(chat)
     _add_sampling_args(chat, max_tokens=256)
@@ -149,18 +94,66 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_plan_parser(sub)
+    add_quantize_parser(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _error(message: str) -> None:
+    print(f"kvserve: error: {_one_line(message)}", file=sys.stderr)
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    torch = sys.modules.get("torch")
+    return isinstance(exc, MemoryError) or (
+        torch is not None and isinstance(exc, torch.OutOfMemoryError))
+
+
+def _quiet_broken_pipe() -> None:
+    """stdout's reader went away (``kvserve generate | head``): send what is
+    left to /dev/null so the interpreter's final flush does not fail too."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen subcommand; every failure becomes one line and a status."""
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("\nkvserve: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ValueError as exc:
-        print(f"kvserve: error: {exc}", file=sys.stderr)
-        return 2
+        _error(str(exc))
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:
+        _quiet_broken_pipe()
+        return EXIT_FAILURE
+    except OSError as exc:
+        _error(str(exc) or type(exc).__name__)
+        return EXIT_FAILURE
+    except Exception as exc:
+        if _is_out_of_memory(exc):
+            _error(f"out of memory: {exc}; use a smaller model or --max-model-len, or lower "
+                   "--max-num-seqs / --gpu-memory-utilization")
+            return EXIT_FAILURE
+        logger.debug("the traceback of the error below", exc_info=exc)
+        _error(f"internal error: {type(exc).__name__}: {exc} (rerun with --log-level DEBUG "
+               "for the traceback, and please report it)")
+        return EXIT_FAILURE
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("\nkvserve: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -177,8 +177,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # share of free device memory the KV pool may take when num_kv_blocks is unset
     gpu_memory_utilization: float = 0.9
-    # KV budget on CPU when num_kv_blocks is unset
-    cpu_kv_cache_bytes: int = 1 << 30
+    # KV budget on CPU when num_kv_blocks is unset; None: sized for the model
+    # (kvserve/worker/kv_cache.py)
+    cpu_kv_cache_bytes: int | None = None
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES or an alias ("fp8")
 
     def __post_init__(self) -> None:
@@ -210,6 +211,9 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" or "priority"
     # plan step N+1 while step N runs on the device (see engine_core)
     async_scheduling: bool = False
+    # pipeline stages: with more than one, this many steps are kept in flight,
+    # each with requests of its own (none runs in two steps at once)
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -227,6 +231,9 @@ class SchedulerConfig:
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy='{self.policy}' must be 'fcfs' or 'priority'")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -243,6 +250,136 @@ class LoRAConfig:
             raise ValueError(f"max_lora_rank={self.max_lora_rank} must be >= 1")
 
 
+ALL_REDUCE_BACKENDS = ("nccl", "one-shot")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes, and where they run.
+
+    ``tensor_parallel_size`` x ``pipeline_parallel_size`` worker processes,
+    one per device, spread evenly over ``nnodes`` nodes; this process is
+    node ``node_rank``. ``master_addr:master_port`` is where node 0 (the one
+    running the engine) serves the rendezvous store (port 0: any free port,
+    one node only). Every collective gives up after ``distributed_timeout_s``.
+    ``all_reduce`` picks the small all-reduce of a TP group on CUDA: NCCL, or
+    a one-shot all-reduce over peer-to-peer symmetric memory (one node).
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    distributed_timeout_s: float = 300.0
+    all_reduce: str = "nccl"
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} is invalid: must be in "
+                             f"[0, nnodes={self.nnodes})")
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} processes "
+                f"do not spread evenly over nnodes={self.nnodes}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port={self.master_port} is invalid: must be in "
+                             "[0, 65535]")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError(f"nnodes={self.nnodes} needs an explicit master_port "
+                             "(--master-port, or MASTER_PORT) that every node can reach")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s} is "
+                             "invalid: must be > 0")
+        if self.all_reduce not in ALL_REDUCE_BACKENDS:
+            raise ValueError(f"all_reduce='{self.all_reduce}' is invalid: must be one of "
+                             f"{ALL_REDUCE_BACKENDS}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "oracle")
+# the most tokens one speculative step may propose per request
+MAX_SPEC_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` keys), resolved.
+
+    ``method`` names the proposer; ``model`` is the draft model's or EAGLE
+    head's directory (resolved by ``engine/speculative.py``, which also
+    checks that it fits the target). ``ngram`` matches the last
+    ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens against the
+    request's own tokens. ``oracle`` (benchmarks) replays the target's
+    greedy continuation recorded from earlier requests with the same
+    prompt, each proposal kept with probability ``acceptance_rate`` and
+    corrupted otherwise. Speculation switches itself off in a step whose
+    decode batch makes it cost more than it gains (``core/spec_policy.py``)
+    unless ``auto_disable`` is False; ``disable_by_batch_size`` replaces that
+    rule with a fixed batch size.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    acceptance_rate: float = 1.0
+    disable_by_batch_size: int | None = None
+    auto_disable: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config.method={self.method!r} is invalid: must be one of "
+                f"{', '.join(SPEC_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPEC_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens={k!r} is invalid: must be an "
+                f"integer in [1, {MAX_SPEC_TOKENS}]"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} and "
+                f"prompt_lookup_max={self.prompt_lookup_max} are invalid: need "
+                "1 <= prompt_lookup_min <= prompt_lookup_max"
+            )
+        if not 0.0 <= self.acceptance_rate <= 1.0:
+            raise ValueError(
+                f"speculative_config.acceptance_rate={self.acceptance_rate} is invalid: "
+                "must be in [0, 1]"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"speculative_config.disable_by_batch_size={self.disable_by_batch_size} is "
+                "invalid: must be >= 1 (or unset: the measured-cost rule)"
+            )
+        if self.method in ("draft_model", "eagle") and not self.model:
+            raise ValueError(
+                f"speculative_config.model is required for method={self.method!r}: the "
+                "draft model's or EAGLE head's directory"
+            )
+
+    @property
+    def uses_lookahead_slots(self) -> bool:
+        """Whether the proposer writes KV past the verified tokens while it
+        drafts (a draft model or head runs its own forward on its proposals),
+        so each proposing request needs that many more slots for the step."""
+        return self.method in ("draft_model", "eagle")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, resolved and validated."""
@@ -253,6 +390,10 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     # None: LoRA off (keyword-only, so it may sit here with a default)
     lora_config: LoRAConfig | None = field(default=None, kw_only=True)
+    # one process unless it says more (keyword-only, as lora_config)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig, kw_only=True)
+    # None: no speculative decoding
+    speculative_config: SpeculativeConfig | None = field(default=None, kw_only=True)
     model_path: str | None
     tokenizer_path: str | None
     load_format: str
@@ -267,3 +408,9 @@ class EngineConfig:
     # CUDA graphs for prefill and mixed steps of these token counts (padded up
     # to the next one; the scheduler aims its steps at them)
     cuda_graph_token_sizes: tuple[int, ...] = ()
+    # replaces the tokenizer's chat template (the template's text); None: keep it
+    chat_template: str | None = None
+    # the most top logprobs one request may ask for; -1: no limit
+    max_logprobs: int = 20
+    # torch threads of an engine on the CPU; None: chosen at start-up
+    num_cpu_threads: int | None = None

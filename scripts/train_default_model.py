@@ -71,14 +71,26 @@ IGNORE_INDEX = -100
 MAX_POSITIONS = 2048  # max_position_embeddings of both models; training uses --seq-len
 
 # One turn per message, each closed by <|end|>; the generation prompt opens an assistant turn.
+# Tools (not trained on, rendered for clients that send them) go in a first system turn;
+# calls and tool results use the hermes format (kvserve serve --tool-call-parser hermes).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '<|system|>\n' }}Tools you can call, one <tool_call>"
+    "{\"name\": ..., \"arguments\": {...}}</tool_call> per call:\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{{ '<|end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ '<|system|>\n' }}"
     "{% elif message['role'] == 'user' %}{{ '<|user|>\n' }}"
     "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\n' }}"
+    "{% elif message['role'] == 'tool' %}{{ '<|user|>\n<tool_response>\n' }}"
     "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
-    "{{ message['content'] }}{{ '<|end|>\n' }}"
+    "{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}<tool_call>"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "</tool_call>{% endfor %}{% endif %}"
+    "{% if message['role'] == 'tool' %}{{ '\n</tool_response>' }}{% endif %}"
+    "{{ '<|end|>\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )

@@ -29,6 +29,10 @@ from kvserve.attention.metadata import AttentionMetadata
 # a kernel is decorated, so it must be set before any test imports Triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# No test reaches the Hugging Face hub: model names that look like hub ids
+# resolve from the (test's own) cache only. Read when huggingface_hub is
+# imported, which nothing above does.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 _BASE: dict[str, Any] = {
     "vocab_size": 384,

@@ -7,7 +7,13 @@ module with its own ``add_cli_args`` / ``run`` pair, mounted here."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
+
+
+def plain_text(docstring: str | None) -> str:
+    """A module docstring as ``--help`` shows it: no reST double backticks."""
+    return (docstring or "").replace("``", "")
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -22,6 +28,7 @@ def add_bench_parser(sub: Any) -> None:
         (latency, "latency", "time one batch of fixed-length requests: TTFT, TPOT, MBU, MFU"),
         (throughput, "throughput", "run a whole workload at once: requests/s and tok/s"),
     ):
-        parser = bench_sub.add_parser(name, help=summary, description=module.__doc__)
+        parser = bench_sub.add_parser(name, help=summary, description=plain_text(module.__doc__),
+                                      formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_cli_args(parser)
         parser.set_defaults(func=module.run)

@@ -55,7 +55,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-iters-warmup", type=int, default=1,
                        help="iterations run first and not measured")
     group.add_argument("--output-json", default=None, help="write every figure here")
-    group.add_argument("--disable-tqdm", action="store_true")
+    group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def _check_args(args: argparse.Namespace) -> None:

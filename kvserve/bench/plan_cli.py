@@ -144,11 +144,17 @@ def _configure_measure(parser: argparse.ArgumentParser) -> None:
                        help="every batch x context of --sweep-batches / --sweep-contexts and "
                             "every --sweep-prompts prefill (with --measure: measured too)")
     group.add_argument("--sweep-batches", type=_number(int, 1), nargs="+",
-                       default=list(SWEEP_BATCHES), metavar="B")
+                       default=list(SWEEP_BATCHES), metavar="B",
+                       help="decode batch sizes of --sweep "
+                            f"(default {' '.join(map(str, SWEEP_BATCHES))})")
     group.add_argument("--sweep-contexts", type=_number(int, 1), nargs="+",
-                       default=list(SWEEP_CONTEXTS), metavar="S")
+                       default=list(SWEEP_CONTEXTS), metavar="S",
+                       help="decode contexts in tokens of --sweep "
+                            f"(default {' '.join(map(str, SWEEP_CONTEXTS))})")
     group.add_argument("--sweep-prompts", type=_number(int, 1), nargs="+",
-                       default=list(SWEEP_PROMPTS), metavar="P")
+                       default=list(SWEEP_PROMPTS), metavar="P",
+                       help="prefill prompt lengths of --sweep "
+                            f"(default {' '.join(map(str, SWEEP_PROMPTS))})")
     group.add_argument("--measure-steps", type=_number(int, 2), default=32,
                        help="decode steps timed per point (default 32)")
     group.add_argument("--measure-repeats", type=_number(int, 1), default=5,

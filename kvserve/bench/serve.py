@@ -18,7 +18,16 @@ ShareGPT-format JSON file (a list of ``{"conversations": [{"from": "human",
 human turn as the prompt, the first answer's length (about 4 characters per
 token) or ``--sharegpt-output-len`` as ``max_tokens``.
 
-``--save-result`` writes JSON with vLLM's ``bench serve`` key names.
+``--save-result`` writes JSON with vLLM's ``bench serve`` key names. The
+peak output throughput is the most output tokens in any one-second window
+(a sliding window starting at each content chunk; a chunk counts its
+request's tokens over its chunks, so tokens are counted as in the mean).
+
+Failures end in one line and a non-zero exit: a server that cannot be
+reached or refuses the API key (checked first, through ``/v1/models``), a
+dataset file that is missing or unreadable, a rate at which no request
+succeeded. Ctrl-C prints what was measured so far (the requests finished
+by then) and exits 130.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -82,43 +92,63 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--backend", default="openai", choices=("openai", "openai-chat"),
                         help="openai: /v1/completions; openai-chat: /v1/chat/completions")
     target.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000")
-    target.add_argument("--host", default="127.0.0.1")
-    target.add_argument("--port", type=int, default=8000)
+    target.add_argument("--host", default="127.0.0.1",
+                        help="the server's host when --base-url is not given")
+    target.add_argument("--port", type=int, default=8000,
+                        help="the server's port when --base-url is not given")
     target.add_argument("--endpoint", default=None, help="default from --backend")
     target.add_argument("--model", default=None, help="default: the first of /v1/models")
     target.add_argument("--api-key", default=None, help="default $OPENAI_API_KEY")
     target.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     data = parser.add_argument_group("workload")
-    data.add_argument("--dataset-name", default="random", choices=("random", "sharegpt"))
+    data.add_argument("--dataset-name", default="random", choices=("random", "sharegpt"),
+                      help="random: prompts of random common words; sharegpt: conversations "
+                           "from --dataset-path")
     data.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
-    data.add_argument("--num-prompts", type=int, default=1000)
-    data.add_argument("--random-input-len", type=int, default=1024)
-    data.add_argument("--random-output-len", type=int, default=128)
+    data.add_argument("--num-prompts", type=int, default=1000,
+                      help="requests to send (default: %(default)s)")
+    data.add_argument("--random-input-len", type=int, default=1024,
+                      help="prompt tokens per random request, about (default: %(default)s)")
+    data.add_argument("--random-output-len", type=int, default=128,
+                      help="max_tokens of each random request (default: %(default)s)")
     data.add_argument("--random-range-ratio", type=float, default=0.0,
                       help="lengths uniform in [len*(1-r), len*(1+r)]")
-    data.add_argument("--sharegpt-output-len", type=int, default=None)
-    data.add_argument("--ignore-eos", action="store_true")
-    data.add_argument("--temperature", type=float, default=0.0)
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--sharegpt-output-len", type=int, default=None,
+                      help="max_tokens of every ShareGPT request (default: the length of "
+                           "the conversation's first answer)")
+    data.add_argument("--ignore-eos", action="store_true",
+                      help="ask the server to generate max_tokens tokens, EOS or not")
+    data.add_argument("--temperature", type=float, default=0.0,
+                      help="sampling temperature of every request (default: 0, greedy)")
+    data.add_argument("--seed", type=int, default=0,
+                      help="seed of the prompts, lengths and arrival times")
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", default="inf",
                       help="requests/s, 'inf', or a comma list for a sweep")
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of inter-arrival gaps (1 = Poisson)")
-    load.add_argument("--max-concurrency", type=int, default=None)
-    load.add_argument("--num-warmups", type=int, default=0)
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="the most requests in flight at once (default: no limit)")
+    load.add_argument("--num-warmups", type=int, default=0,
+                      help="requests sent one by one before the measured run")
     report = parser.add_argument_group("report")
     report.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                         help="SLOs, e.g. ttft:500 tpot:50 e2el:2000")
-    report.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
-    report.add_argument("--metric-percentiles", default="50,90,99")
-    report.add_argument("--save-result", action="store_true")
-    report.add_argument("--save-detailed", action="store_true")
-    report.add_argument("--result-dir", default=".")
-    report.add_argument("--result-filename", default=None)
+    report.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                        help="the metrics to print percentiles of (default: %(default)s)")
+    report.add_argument("--metric-percentiles", default="50,90,99",
+                        help="the percentiles to print (default: %(default)s)")
+    report.add_argument("--save-result", action="store_true",
+                        help="write the result as JSON (vLLM's key names)")
+    report.add_argument("--save-detailed", action="store_true",
+                        help="add every request's lengths, latencies, text and error")
+    report.add_argument("--result-dir", default=".",
+                        help="where --save-result writes (default: the current directory)")
+    report.add_argument("--result-filename", default=None,
+                        help="the file name (default: BACKEND-RATEqps-MODEL-DATE.json)")
     report.add_argument("--plot", default=None, metavar="PNG",
                         help="draw latency vs throughput over the --request-rate sweep")
-    report.add_argument("--disable-tqdm", action="store_true")
+    report.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 # ------------------------------------------------------------ arguments
@@ -127,7 +157,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def parse_rates(text: str) -> list[float]:
     rates = []
     for part in text.split(","):
-        rate = float(part.strip())
+        try:
+            rate = float(part.strip())
+        except ValueError:
+            rate = float("nan")
         if not rate > 0:
             raise ValueError(f"--request-rate={text} is invalid: rates must be > 0 (or inf)")
         rates.append(rate)
@@ -138,15 +171,22 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     slos: dict[str, float] = {}
     for item in items or []:
         name, _, value = item.partition(":")
-        if name not in ("ttft", "tpot", "e2el") or not value:
+        try:
+            slo = float(value)
+        except ValueError:
+            slo = float("nan")
+        if name not in ("ttft", "tpot", "e2el") or not slo >= 0:
             raise ValueError(f"--goodput {item} is invalid: use ttft:MS, tpot:MS or e2el:MS")
-        slos[name] = float(value)
+        slos[name] = slo
     return slos
 
 
 def _check_args(args: argparse.Namespace) -> None:
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts={args.num_prompts} is invalid: must be >= 1")
+    if args.base_url and not args.base_url.startswith(("http://", "https://")):
+        raise ValueError(f"--base-url={args.base_url} is invalid: must start with http:// or "
+                         "https://")
     if not 0 <= args.random_range_ratio < 1:
         raise ValueError(f"--random-range-ratio={args.random_range_ratio} is invalid: "
                          "must be in [0, 1)")
@@ -156,6 +196,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency={args.max_concurrency} is invalid: must be >= 1")
     if args.dataset_name == "sharegpt" and not args.dataset_path:
         raise ValueError("--dataset-name sharegpt needs --dataset-path")
+    if args.dataset_path and not Path(args.dataset_path).is_file():
+        raise ValueError(f"--dataset-path {args.dataset_path}: no such file")
 
 
 # ------------------------------------------------------------ datasets
@@ -179,7 +221,11 @@ def random_requests(args: argparse.Namespace, tokens_per_word: float) -> list[Sa
 
 
 def sharegpt_requests(args: argparse.Namespace) -> list[SampleRequest]:
-    entries = json.loads(Path(args.dataset_path).read_text())
+    try:
+        entries = json.loads(Path(args.dataset_path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--dataset-path {args.dataset_path}: cannot be read as JSON "
+                         f"({exc})") from None
     if not isinstance(entries, list):
         raise ValueError(f"--dataset-path {args.dataset_path}: expected a JSON list")
     random.Random(args.seed).shuffle(entries)
@@ -307,12 +353,55 @@ async def _get_json(client: Any, url: str, headers: dict[str, str],
     return response.json()
 
 
+def _refused_key_message(url: str, status: int, reason: str, has_key: bool) -> str:
+    if has_key:
+        return f"{url} answered {status} {reason}: the server refused the API key given"
+    return (f"{url} answered {status} {reason}: the server wants an API key; pass it with "
+            "--api-key or OPENAI_API_KEY")
+
+
+def _transport_reason(exc: BaseException) -> str:
+    """The root cause of a failed connection ("Connection refused"), not
+    httpx's summary ("All connection attempts failed")."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, OSError) and (cause.errno or cause.strerror):
+            return os.strerror(cause.errno) if cause.errno else str(cause.strerror)
+        cause = cause.__cause__ or cause.__context__
+    return str(exc) or type(exc).__name__
+
+
+async def check_server(client: Any, target: Target) -> None:
+    """GET ``/v1/models``: the server is up and takes our key (ConnectionError
+    with one line saying what is wrong otherwise); fill in the model name."""
+    import httpx
+
+    url = target.base_url + "/v1/models"
+    try:
+        response = await client.get(url, headers=target.headers)
+    except httpx.TransportError as exc:
+        raise ConnectionError(
+            f"cannot reach {url}: {_transport_reason(exc)}; is the server running? "
+            "(--base-url, or --host and --port)") from None
+    if response.status_code in (401, 403):
+        raise ConnectionError(_refused_key_message(url, response.status_code,
+                                                   response.reason_phrase,
+                                                   bool(target.headers)))
+    if target.model:
+        return
+    try:
+        response.raise_for_status()
+        target.model = str(response.json()["data"][0]["id"])
+    except (httpx.HTTPStatusError, ValueError, LookupError, TypeError):
+        raise ConnectionError(
+            f"{url} answered {response.status_code} {response.reason_phrase} without a "
+            "model to use; pass --model") from None
+
+
 async def discover(client: Any, target: Target) -> float:
-    """Fill in the model name; return tokens per word of the random word list
-    (through ``/tokenize`` when the server has it, else 1)."""
-    if not target.model:
-        models = await _get_json(client, target.base_url + "/v1/models", target.headers)
-        target.model = models["data"][0]["id"]
+    """Check the server and fill in the model name; return tokens per word of
+    the random word list (through ``/tokenize`` when the server has it, else 1)."""
+    await check_server(client, target)
     sample = " ".join(WORDS)
     try:
         result = await _get_json(client, target.base_url + "/tokenize", target.headers,
@@ -336,9 +425,20 @@ async def arrivals(requests: list[SampleRequest], rate: float, burstiness: float
                                                 scale=1.0 / (rate * burstiness))))
 
 
+@dataclass
+class LoadRun:
+    """One rate's requests: the results of those that finished, the wall time
+    and whether Ctrl-C cut it short (requests still in flight then are dropped)."""
+
+    rate: float
+    results: list[RequestResult]
+    duration: float
+    interrupted: bool = False
+
+
 async def run_load(client: Any, target: Target, requests: list[SampleRequest],
-                   rate: float, args: argparse.Namespace) -> tuple[list[RequestResult], float]:
-    """Send every request at the given rate; the results and the duration."""
+                   rate: float, args: argparse.Namespace) -> LoadRun:
+    """Send every request at the given rate (Ctrl-C: stop, keep what finished)."""
     from tqdm import tqdm
 
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
@@ -354,36 +454,57 @@ async def run_load(client: Any, target: Target, requests: list[SampleRequest],
         return result
 
     start = time.perf_counter()
-    tasks = []
-    async for request in arrivals(requests, rate, args.burstiness, args.seed):
-        tasks.append(asyncio.create_task(one(request)))
-    results = list(await asyncio.gather(*tasks))
+    tasks: list[asyncio.Task[RequestResult]] = []
+    interrupted = False
+    try:
+        async for request in arrivals(requests, rate, args.burstiness, args.seed):
+            tasks.append(asyncio.create_task(one(request)))
+        if tasks:
+            await asyncio.wait(tasks)
+    except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels the main task)
+        interrupted = True
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     duration = time.perf_counter() - start
     progress.close()
-    return results, duration
+    results = [task.result() for task in tasks if task.done() and not task.cancelled()]
+    return LoadRun(rate, results, duration, interrupted)
 
 
 # ------------------------------------------------------------ metrics
 
 
-def _peaks(results: list[RequestResult]) -> tuple[float, int]:
-    """Peak output tokens per second (1 s windows of chunk arrivals) and peak
-    number of requests in flight."""
-    ok = [r for r in results if r.chunk_times]
-    if not ok:
-        return 0.0, 0
-    origin = min(r.start_s for r in results)
-    windows: dict[int, int] = {}
-    for result in ok:
-        for t in result.chunk_times:
-            windows[int(t - origin)] = windows.get(int(t - origin), 0) + 1
+def peak_output_tokens_per_s(results: list[RequestResult], duration: float) -> float:
+    """The most output tokens in any one-second window, per second.
+
+    Windows slide: one starts at each content chunk. A chunk counts its
+    request's output tokens over its number of chunks, so tokens are counted
+    as the mean counts them. A run shorter than a second is one window of
+    its own duration (the peak is then the mean)."""
+    events = sorted((t, r.output_len / len(r.chunk_times))
+                    for r in results if r.success and r.chunk_times for t in r.chunk_times)
+    window = min(1.0, duration)
+    best = total = 0.0
+    left = 0
+    for time_s, tokens in events:
+        total += tokens
+        while time_s - events[left][0] >= window - 1e-9:  # [start, start + window)
+            total -= events[left][1]
+            left += 1
+        best = max(best, total)
+    return best / window if window > 0 else 0.0
+
+
+def peak_concurrency(results: list[RequestResult]) -> int:
+    """The most requests in flight at once."""
     events = sorted([(r.start_s, 1) for r in results]
                     + [(r.start_s + r.latency, -1) for r in results])
     in_flight = peak = 0
     for _, delta in events:
         in_flight += delta
         peak = max(peak, in_flight)
-    return float(max(windows.values())), peak
+    return peak
 
 
 def _tpot(result: RequestResult) -> float:
@@ -404,7 +525,6 @@ def compute_metrics(results: list[RequestResult], duration: float,
         good += all(measured[name] * 1000.0 <= slo for name, slo in slos.items())
     total_input = sum(r.prompt_len for r in ok)
     total_output = sum(r.output_len for r in ok)
-    peak_tokens, peak_requests = _peaks(results)
     summary: dict[str, Any] = {
         "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": total_input, "total_output_tokens": total_output,
@@ -412,7 +532,8 @@ def compute_metrics(results: list[RequestResult], duration: float,
         "request_goodput": good / duration if slos else None,
         "output_throughput": total_output / duration,
         "total_token_throughput": (total_input + total_output) / duration,
-        "max_output_tokens_per_s": peak_tokens, "max_concurrent_requests": peak_requests,
+        "max_output_tokens_per_s": peak_output_tokens_per_s(results, duration),
+        "max_concurrent_requests": peak_concurrency(results),
     }
     values = {"ttft": [r.ttft for r in ok], "tpot": [_tpot(r) for r in ok if r.output_len > 1],
               "itl": [gap for r in ok for gap in r.itl], "e2el": [r.latency for r in ok]}
@@ -509,50 +630,93 @@ def write_plot(path: str, summaries: list[dict[str, Any]]) -> None:
 # ------------------------------------------------------------ entry point
 
 
-async def _benchmark(args: argparse.Namespace, rates: list[float]
-                     ) -> list[tuple[dict[str, Any], list[str]]]:
-    """One (summary, distinct errors) per rate."""
+def _summary(args: argparse.Namespace, target: Target, run: LoadRun,
+             num_prompts: int) -> dict[str, Any]:
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend,
+        "model_id": target.model, "tokenizer_id": target.model, "num_prompts": num_prompts,
+        "request_rate": run.rate if math.isfinite(run.rate) else "inf",
+        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+        **compute_metrics(run.results, run.duration, args),
+    }
+
+
+def _report(args: argparse.Namespace, summary: dict[str, Any], run: LoadRun,
+            sweep: bool) -> None:
+    """Print one rate's summary and its first distinct errors; save it unless
+    Ctrl-C cut the run short."""
+    if run.interrupted:
+        print(f"Interrupted: {len(run.results)} of {summary['num_prompts']} requests "
+              "finished; the figures below are theirs.")
+    print_summary(summary, args)
+    if summary["completed"]:  # when none succeeded, run() names the first error
+        errors = sorted({r.error for r in run.results if r.error})
+        for error in errors[:5]:
+            print(f"error ({summary['request_rate']} rps): {error}", file=sys.stderr)
+    if args.save_result and not run.interrupted:
+        path = result_path(args, summary, sweep)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2))
+        print(f"saved {path}")
+
+
+@dataclass
+class Outcome:
+    """What ``_benchmark`` ran: a summary per rate, whether Ctrl-C cut it
+    short, and for each rate where no request succeeded its first error."""
+
+    summaries: list[dict[str, Any]] = field(default_factory=list)
+    interrupted: bool = False
+    failures: list[str] = field(default_factory=list)
+
+
+async def _benchmark(args: argparse.Namespace, rates: list[float]) -> Outcome:
+    """Run every rate, reporting each as it ends."""
     import httpx
 
     target = Target(args)
+    # the dataset file is read (and checked) before the server is contacted
+    dataset = sharegpt_requests(args) if args.dataset_name == "sharegpt" else None
+    outcome = Outcome()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
-        tokens_per_word = await discover(client, target)
-        requests = (random_requests(args, tokens_per_word) if args.dataset_name == "random"
-                    else sharegpt_requests(args))
-        for request in requests[:args.num_warmups]:
-            await send_request(client, target, request)
-        runs = []
+        try:
+            tokens_per_word = await discover(client, target)
+            requests = dataset or random_requests(args, tokens_per_word)
+            for request in requests[:args.num_warmups]:
+                await send_request(client, target, request)
+        except asyncio.CancelledError:
+            outcome.interrupted = True
+            return outcome
         for rate in rates:
-            results, duration = await run_load(client, target, requests, rate, args)
-            summary = {
-                "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend,
-                "model_id": target.model, "tokenizer_id": target.model,
-                "num_prompts": len(requests),
-                "request_rate": rate if math.isfinite(rate) else "inf",
-                "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-                **compute_metrics(results, duration, args),
-            }
-            runs.append((summary, sorted({r.error for r in results if r.error})))
-    return runs
+            run = await run_load(client, target, requests, rate, args)
+            summary = _summary(args, target, run, len(requests))
+            _report(args, summary, run, sweep=len(rates) > 1)
+            outcome.summaries.append(summary)
+            if not summary["completed"] and run.results:
+                error = " ".join(run.results[0].error.split())
+                outcome.failures.append(f"at {summary['request_rate']} rps, first error: {error}")
+            if run.interrupted:
+                outcome.interrupted = True
+                break
+    return outcome
 
 
 def run(args: argparse.Namespace) -> int:
-    """``kvserve bench serve``: 0 when at least one request succeeded at every rate."""
+    """``kvserve bench serve``: 0 when at least one request succeeded at every
+    rate; 130 after Ctrl-C (what was measured is printed first)."""
     _check_args(args)
     rates = parse_rates(args.request_rate)
     parse_goodput(args.goodput)
-    runs = asyncio.run(_benchmark(args, rates))
-    for summary, errors in runs:
-        print_summary(summary, args)
-        for error in errors[:5]:
-            print(f"error ({summary['request_rate']} rps): {error}", file=sys.stderr)
-        if args.save_result:
-            path = result_path(args, summary, sweep=len(rates) > 1)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(summary, indent=2))
-            print(f"saved {path}")
+    outcome = asyncio.run(_benchmark(args, rates))
+    if outcome.interrupted:
+        print("kvserve: interrupted", file=sys.stderr)
+        return 130
     if args.plot:
-        write_plot(args.plot, [summary for summary, _ in runs])
+        write_plot(args.plot, outcome.summaries)
         print(f"plot {args.plot}")
-    return 0 if all(summary["completed"] for summary, _ in runs) else 1
+    if outcome.failures:
+        print(f"kvserve: error: no request succeeded {'; '.join(outcome.failures)}",
+              file=sys.stderr)
+        return 1
+    return 0

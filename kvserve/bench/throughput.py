@@ -30,13 +30,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of ``kvserve bench throughput``: the engine's, then the workload's."""
     EngineArgs.add_cli_args(parser)
     group = parser.add_argument_group("workload")
-    group.add_argument("--workload", default="w2", choices=sorted(THROUGHPUT_WORKLOADS))
+    group.add_argument("--workload", default="w2", choices=sorted(THROUGHPUT_WORKLOADS),
+                       help="w2: 1,000 requests, prompts of 128 to 2,048 tokens, outputs of 128 "
+                            "to 512; w3: 512 requests of 1,000 in and 1,000 out (default: w2)")
     group.add_argument("--num-prompts", type=int, default=None,
                        help="the first N requests (default: the whole workload)")
     group.add_argument("--max-input-len", type=int, default=None, help="cut prompts to this")
     group.add_argument("--max-output-len", type=int, default=None, help="cut outputs to this")
     group.add_argument("--output-json", default=None, help="write every figure here")
-    group.add_argument("--disable-tqdm", action="store_true")
+    group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def _check_args(args: argparse.Namespace) -> None:

@@ -33,9 +33,10 @@ class KVCacheManager:
         """Longest cached prefix of full blocks for a request not yet holding any.
 
         At least one token is always left to compute, so the step that
-        follows produces the logits for the next token.
+        follows produces the logits for the next token. A request that wants
+        prompt logprobs not all in yet reads nothing (``awaits_prompt_logprobs``).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.awaits_prompt_logprobs:
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -107,6 +108,24 @@ class KVCacheManager:
             self._num_hashed_blocks[request_id] = num_done = num_full
         # the next block to register fills at (num_done + 1) * block_size tokens
         self._room[request_id] = min(num_slots, (num_done + 1) * self.block_size - 1)
+
+    def free_tail(self, request: Request) -> None:
+        """Release the request's whole blocks past its computed tokens: the
+        slots of rejected proposals and of a proposer's lookahead. Such
+        blocks never hold a registered hash (only blocks full of accepted
+        tokens are registered, and those lie within the computed tokens)."""
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id)
+        keep = self.num_blocks_needed(request.num_computed_tokens)
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(list(reversed(tail)))
+        num_done = self._num_hashed_blocks.get(request_id, 0)
+        num_slots = len(blocks) * self.block_size
+        self._room[request_id] = (num_slots if not self.enable_caching
+                                  else min(num_slots, (num_done + 1) * self.block_size - 1))
 
     def free(self, request: Request) -> None:
         """Release every block of a request, tail first."""

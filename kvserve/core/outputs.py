@@ -45,10 +45,24 @@ class SchedulerOutput:
     # requests preempted this step: the runner keeps their state (generator
     # included) but forgets their blocks until they resume
     preempted_request_ids: set[str] = field(default_factory=set)
+    # speculative decoding: request_id -> the proposed tokens this step
+    # verifies (scheduled after the request's last token, counted in
+    # num_scheduled_tokens)
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> how many tokens to propose for its next step, for
+    # requests that sample this step (their slots are allocated when the
+    # proposer writes KV for them: SpeculativeConfig.uses_lookahead_slots)
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def is_spec_step(self) -> bool:
+        """Whether the step verifies proposals or makes them: its output must
+        be read before the next step is planned."""
+        return bool(self.scheduled_spec_token_ids or self.num_draft_tokens)
 
 
 @dataclass
@@ -61,12 +75,27 @@ class Logprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens ``first_index ..`` (``first_index >= 1``):
+    entry i is token ``first_index + i`` given the tokens before it, the
+    prompt token first (its ``sampled_rank`` its rank), then the top ones."""
+
+    first_index: int
+    entries: list[Logprobs]
+
+
+@dataclass
 class ModelRunnerOutput:
     """What one step produced, per scheduled request."""
 
-    # request_id -> tokens sampled this step (empty for a partial prefill chunk)
+    # request_id -> tokens sampled this step (empty for a partial prefill
+    # chunk; with speculation the accepted proposals, then one more token)
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> proposals for its next step (SchedulerOutput.num_draft_tokens)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    # request_id -> logprobs of the prompt tokens this step's chunk predicts
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # device time of the step, from its first to its last kernel; the rest of
     # the steps' wall time is time the device waited for the host
     device_s: float = 0.0
@@ -74,6 +103,8 @@ class ModelRunnerOutput:
     # of the graph's size beyond the step's, each costing a token's matmuls)
     graphed: bool = False
     num_padding_tokens: int = 0
+    # device time of the step's proposer (within device_s)
+    proposer_s: float = 0.0
 
     def get(self) -> ModelRunnerOutput:
         """A finished output is its own pending one (see ``engine_core.PendingOutput``)."""
@@ -87,6 +118,8 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] | None = None
+    # every prompt token's logprobs after the first, on the request's first output
+    prompt_logprobs: list[Logprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

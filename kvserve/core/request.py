@@ -10,10 +10,18 @@ The token accounting words used across kvserve are defined here, once:
 - ``num_cached_tokens``: tokens found in the prefix cache when the request
   was first scheduled.
 - ``num_scheduled_tokens``: tokens the scheduler assigns in one step.
+- ``num_prompt_logprobs``: prompt tokens whose logprobs have come back
+  from the runner (with ``prompt_logprobs`` set; the first prompt token has
+  none, so all are in at ``num_prompt_tokens - 1``).
 - ``num_output_placeholders``: tokens being sampled by a step that is
   scheduled but whose result has not come back yet (0 or 1). With async
   scheduling the next step is planned while one is in flight, so the
   scheduler counts these as if they were known.
+- ``num_spec_tokens``: proposed (speculative) tokens scheduled after the
+  request's last token in one step, verified by that step: a decode is an
+  assignment of ``1 + num_spec_tokens`` tokens. The request's proposals
+  wait in ``spec_token_ids`` until it is scheduled; ``max_spec_tokens`` is
+  its own limit (0: it never speculates).
 
 Pure Python: no torch here.
 """
@@ -24,6 +32,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.core.outputs import Logprobs, PromptLogprobs
 from kvserve.core.sampling_params import SamplingParams
 
 
@@ -105,11 +114,18 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # -1 until first scheduled
         self.num_output_placeholders = 0
+        # speculative decoding: the request's k (set at admission; 0: never
+        # speculates) and the proposals for its next step
+        self.max_spec_tokens = 0
+        self.spec_token_ids: list[int] = []
         self.num_reported_outputs = 0  # output tokens already in an EngineCoreOutput
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
+        # logprobs of prompt tokens 1.. as the runner reports them (prompt_logprobs set)
+        self.prompt_logprobs: list[Logprobs] | None = (
+            None if self.sampling_params.prompt_logprobs is None else [])
         self.times = RequestTimes(arrival_s=self.arrival_s)
         # every token id that ends the request once it has min_tokens outputs:
         # its stop ids and, unless ignored, the EOS ids (see ``check_stop``)
@@ -139,6 +155,31 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def num_prompt_logprobs(self) -> int:
+        return len(self.prompt_logprobs) if self.prompt_logprobs is not None else 0
+
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        """True while it wants prompt logprobs not all in yet. Such a request
+        reads no prefix cache: the logprobs need the hidden state at every
+        prompt position, which a cache hit skips, so the prompt is computed
+        again (as vLLM does) rather than its logprobs kept."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Keep a chunk's prompt logprobs; positions already kept (a prompt
+        computed again after preemption) are dropped."""
+        if self.prompt_logprobs is None:
+            return
+        skip = len(self.prompt_logprobs) + 1 - chunk.first_index
+        if skip < 0:
+            raise RuntimeError(
+                f"request {self.request_id}: prompt logprobs from token {chunk.first_index} "
+                f"arrived with only {len(self.prompt_logprobs)} kept")
+        self.prompt_logprobs.extend(chunk.entries[skip:])
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

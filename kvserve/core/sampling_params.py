@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
 
-# the most top logprobs one request may ask for (vLLM's --max-logprobs default)
+from kvserve.core.structured_output import StructuredOutputParams
+
+# the default of the engine's limit on top logprobs (vLLM's --max-logprobs
+# default); the engine checks each request against its own max_logprobs
 MAX_LOGPROBS = 20
 # below this temperature a request is greedy
 GREEDY_TEMPERATURE = 1e-5
@@ -31,8 +35,14 @@ class SamplingParams:
 
     ``top_k`` 0 or -1 turns top-k off; ``logprobs`` is the number of top
     logprobs wanted besides the sampled token (0 = only the sampled one,
-    None = none); ``max_tokens=None`` means "until the context ends" and is
-    replaced by the engine before the request is scheduled.
+    None = none); ``prompt_logprobs`` the same for every prompt token after
+    the first (its logprob given the tokens before it); ``max_tokens=None``
+    means "until the context ends" and is replaced by the engine before the
+    request is scheduled. ``logit_bias`` adds its values (in [-100, 100]) to
+    the logits of its token ids before sampling, greedy included.
+    ``structured_output`` constrains the output to a JSON schema, regex,
+    choice or grammar; the engine binds the compiled grammar
+    (``with_grammar``) before the request is scheduled.
     """
 
     n: int = 1
@@ -50,8 +60,13 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    structured_output: StructuredOutputParams | None = None
+    # the compiled grammar of structured_output, bound by the engine (shared, never copied)
+    _grammar: Any = field(default=None, init=False, repr=False, compare=False)
     # the model's EOS ids, bound by the engine through with_eos_token_ids()
     _eos_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False)
 
@@ -63,6 +78,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias) or None
         self._validate()
 
     def _validate(self) -> None:
@@ -70,6 +87,7 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_lengths()
         self._validate_stops()
+        self._validate_logit_bias()
 
     def _validate_sampling(self) -> None:
         if self.n < 1:
@@ -84,8 +102,10 @@ class SamplingParams:
             raise _invalid("min_p", self.min_p, "must be in [0, 1]")
         if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
             raise _invalid("seed", self.seed, "must fit in a signed 64-bit integer")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise _invalid("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise _invalid("logprobs", self.logprobs, "must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise _invalid("prompt_logprobs", self.prompt_logprobs, "must be >= 0")
 
     def _validate_penalties(self) -> None:
         if not -2 <= self.presence_penalty <= 2:
@@ -105,6 +125,13 @@ class SamplingParams:
                 "min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})"
             )
 
+    def _validate_logit_bias(self) -> None:
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise _invalid("logit_bias", token_id, "keys must be token ids (integers >= 0)")
+            if not -100 <= bias <= 100:
+                raise _invalid(f"logit_bias[{token_id}]", bias, "must be in [-100, 100]")
+
     def _validate_stops(self) -> None:
         assert isinstance(self.stop, list) and self.stop_token_ids is not None
         for i, stop in enumerate(self.stop):
@@ -118,6 +145,23 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the request takes the argmax token every step."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def changes_logits(self) -> bool:
+        """True when logits are biased or masked before sampling (so even a
+        greedy request is not a plain argmax)."""
+        return self.logit_bias is not None or self.structured_output is not None
+
+    @property
+    def grammar(self) -> Any:
+        """The compiled grammar bound by the engine (None until bound)."""
+        return self._grammar
+
+    def with_grammar(self, grammar: Any) -> SamplingParams:
+        """A copy with ``structured_output``'s compiled grammar bound."""
+        params = self.clone()
+        params._grammar = grammar
+        return params
 
     @property
     def stop_strings(self) -> list[str]:
@@ -140,8 +184,9 @@ class SamplingParams:
         return self._eos_token_ids
 
     def clone(self) -> SamplingParams:
-        """A deep copy (lists included), safe to change."""
-        return copy.deepcopy(self)
+        """A deep copy (lists included), safe to change; the compiled grammar
+        is shared, not copied."""
+        return copy.deepcopy(self, {id(self._grammar): self._grammar})
 
     def with_eos_token_ids(self, eos_token_ids: list[int] | tuple[int, ...]) -> SamplingParams:
         """A copy with the model's EOS ids bound (used by ``all_stop_token_ids``)."""

@@ -26,6 +26,27 @@ completion at the end, nothing in between) gets an output at its first token
 at batch 256 the outputs of the steps between cost the host more than the
 rest of their bookkeeping.
 
+With ``pipeline_parallel_size`` stages the engine keeps that many steps in
+flight, one per stage. A request's next step needs the token its last one
+samples, so a request whose sampled token is in flight is not scheduled
+again (no placeholder lookahead; a prompt's chunks may follow each other,
+as every stage runs the steps in order), and each step takes at most
+``1 / stages`` of the requests that could run, so the steps stay even.
+
+With speculative decoding a decode is an assignment of ``1 + k`` tokens:
+the request's last token and the ``k`` proposals waiting in
+``Request.spec_token_ids``, verified by the step (a capped budget cuts
+proposals first). A request that samples in a step is also told how many
+tokens to propose for its next one (``SpecDecodePolicy`` picks that k per
+step from the decode batch, 0 when speculation does not pay); when the
+proposer writes KV for its proposals (a draft model, an EAGLE head) the
+request gets that many lookahead slots too. ``update_from_output`` rolls
+back ``num_computed_tokens`` by the rejected proposals and frees the whole
+blocks past it, so only accepted tokens stay (and only blocks full of
+accepted tokens are ever registered in the prefix cache). A step that
+verifies or proposes must be read before the next one is planned
+(``SchedulerOutput.is_spec_step``): the engine core runs it synchronously.
+
 With ``step_token_sizes`` (the token counts the runner has CUDA graphs for)
 the last prompt chunk admitted to a step is trimmed so that the step ends on
 one of them: a padded step would spend a token's matmuls on each padding
@@ -39,16 +60,18 @@ import bisect
 import time
 from typing import Any
 
-from kvserve.config import CacheConfig, LoRAConfig, SchedulerConfig
+from kvserve.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.block_pool import KVBlock
 from kvserve.core.kv_manager import KVCacheManager
 from kvserve.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 from kvserve.core.request import Request, RequestStatus
+from kvserve.core.spec_policy import SpecDecodePolicy
 from kvserve.core.stop import check_stop
 
 
@@ -58,9 +81,11 @@ class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int,
         lora_config: LoRAConfig | None = None, step_token_sizes: tuple[int, ...] = (),
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
         self.step_token_sizes = sorted(step_token_sizes)
+        self.num_stages = scheduler_config.pipeline_parallel_size
         # the most distinct LoRA adapters the running requests may use (0: LoRA off)
         self.max_loras = lora_config.max_loras if lora_config is not None else 0
         self.block_size = cache_config.block_size
@@ -75,7 +100,14 @@ class Scheduler:
         self._send_whole: set[str] = set()
         # requests given an output placeholder by the step being scheduled
         self._sampling: set[str] = set()
+        # requests whose prompt logprobs are all in, to go with their next output
+        self._prompt_logprobs_ready: set[str] = set()
         self.num_preemptions = 0
+        self.spec_policy = (SpecDecodePolicy(speculative_config)
+                            if speculative_config is not None else None)
+        self._uses_lookahead = (speculative_config is not None
+                                and speculative_config.uses_lookahead_slots)
+        self._num_spec_step = 0  # tokens to propose per sampling request this step
 
     # ---------------------------------------------------------------- admission
 
@@ -99,7 +131,11 @@ class Scheduler:
                 f"{self.kv_manager.num_blocks_needed(total)} KV blocks; the pool has {usable}"
             )
         request.max_num_tokens = total
+        if self.spec_policy is not None and request.sampling_params.logprobs is None:
+            request.max_spec_tokens = self.spec_policy.max_k
         self.requests[request.request_id] = request
+        if request.prompt_logprobs is not None and not request.awaits_prompt_logprobs:
+            self._prompt_logprobs_ready.add(request.request_id)  # a 1-token prompt has none
         self._enqueue(request)
         self._send_whole.add(request.request_id)
 
@@ -135,6 +171,7 @@ class Scheduler:
         self.kv_manager.free(request)
         del self.requests[request.request_id]
         self._send_whole.discard(request.request_id)
+        self._prompt_logprobs_ready.discard(request.request_id)
         self._finished_ids.add(request.request_id)
 
     # ---------------------------------------------------------------- schedule
@@ -144,30 +181,56 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        max_reqs = self._max_step_requests()
+        if self.spec_policy is not None:  # the batch size the step will have, about
+            batch_size = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+            self._num_spec_step = self.spec_policy.num_spec_tokens(batch_size)
+        budget = self._schedule_running(out, budget, max_reqs)
         if not out.preempted_request_ids:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, max_reqs)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         self._sampling.clear()
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _max_step_requests(self) -> int:
+        """Requests one step may run: all of them, or with pipeline stages a
+        share of those that could run, so the steps in flight stay even."""
+        if self.num_stages == 1:
+            return self.config.max_num_seqs
+        could_run = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+        return max(1, -(-could_run // self.num_stages))
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, max_reqs: int) -> int:
         index = 0
         running = self.running
         allocate_slots = self.kv_manager.allocate_slots
-        while index < len(running) and budget > 0:
+        pipelined = self.num_stages > 1
+        while index < len(running) and budget > 0 and len(out.num_scheduled_tokens) < max_reqs:
             request = running[index]
             # the tokens whose KV is not computed yet, the one in flight included
             # (per request per step: no properties, no calls)
             num_tokens = len(request.all_token_ids) + request.num_output_placeholders
             num_new = num_tokens - request.num_computed_tokens
             if num_new == 0 or (request.num_output_placeholders
-                                and num_tokens >= request.max_num_tokens):
-                index += 1  # nothing to compute, or its token in flight is its last
+                                and (pipelined or num_tokens >= request.max_num_tokens)):
+                # nothing to compute, or its token in flight is its last (or, with
+                # pipeline stages, is needed first)
+                index += 1
                 continue
+            spec = request.spec_token_ids
+            if spec:  # proposals go after the last token; a capped budget cuts them first
+                assert not request.num_output_placeholders, "proposals with a token in flight"
+                num_spec = min(len(spec), max(budget - num_new, 0))
+                num_new += num_spec
+            else:
+                num_spec = 0
             if num_new > budget:
                 num_new = budget
-            new_blocks = allocate_slots(request, num_new)
+            num_computed = request.num_computed_tokens
+            num_draft = self._num_draft(request, num_tokens, num_computed + num_new,
+                                        num_new - num_spec == num_tokens - num_computed)
+            lookahead = num_draft if self._uses_lookahead else 0
+            new_blocks = allocate_slots(request, num_new + lookahead)
             while new_blocks is None:
                 victim = self._pick_victim()
                 if running.index(victim) < index:
@@ -175,24 +238,42 @@ class Scheduler:
                 budget += self._preempt(victim, out)
                 if victim is request:
                     break
-                new_blocks = self.kv_manager.allocate_slots(request, num_new)
+                new_blocks = self.kv_manager.allocate_slots(request, num_new + lookahead)
             if new_blocks is None:  # the request preempted itself
                 continue
-            self._record(request, num_new, new_blocks, out)
+            self._record(request, num_new, new_blocks, out, num_spec, num_draft)
             budget -= num_new
             index += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _num_draft(self, request: Request, num_tokens: int, num_computed_after: int,
+                   catches_up: bool) -> int:
+        """Tokens a request with ``num_tokens`` tokens proposes after a step
+        that leaves it ``num_computed_after`` computed ones: none unless the
+        step samples it (``catches_up``) and speculation is on; no more than
+        its next step could use (it ends with at least one more token, and
+        the step after adds one beyond its proposals), and no proposer KV
+        past what ``max_tokens`` lets it reach."""
+        if not catches_up or not self._num_spec_step or not request.max_spec_tokens:
+            return 0
+        room = min(request.max_num_tokens - num_tokens - 2,
+                   request.max_num_tokens - num_computed_after)
+        return max(0, min(self._num_spec_step, request.max_spec_tokens, room))
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, max_reqs: int) -> None:
         running_loras = ({r.lora_int_id for r in self.running if r.lora_int_id}
                          if self.max_loras and self.waiting else set())
         index = 0
         while (index < len(self.waiting) and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.config.max_num_seqs
+               and len(out.num_scheduled_tokens) < max_reqs):
             request = self.waiting[index]
             if (request.lora_int_id and request.lora_int_id not in running_loras
                     and len(running_loras) >= self.max_loras):
                 index += 1  # its adapter waits for a slot; later requests may still run
+                continue
+            if request.num_output_placeholders and self.num_stages > 1:
+                index += 1  # preempted with a step in flight: it resumes once that is back
                 continue
             # a request preempted with a token in flight waits a step, when it is known
             assert not request.num_output_placeholders, "resuming with a token in flight"
@@ -208,7 +289,10 @@ class Scheduler:
                     or len(self.running) + 1 == self.config.max_num_seqs)
             if last and self.config.enable_chunked_prefill:
                 num_new = self._trim_to_step_size(num_new, budget)
-            if self.kv_manager.allocate_slots(request, num_new, computed) is None:
+            num_draft = self._num_draft(request, request.num_tokens, num_hit + num_new,
+                                        num_hit + num_new == request.num_tokens)
+            lookahead = num_draft if self._uses_lookahead else 0
+            if self.kv_manager.allocate_slots(request, num_new + lookahead, computed) is None:
                 break
             self.waiting.pop(index)
             self.running.append(request)
@@ -219,7 +303,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
                 request.times.first_scheduled_s = time.monotonic()
-            self._record(request, num_new, [], out)
+            self._record(request, num_new, [], out, 0, num_draft)
             budget -= num_new
 
     def _trim_to_step_size(self, num_new: int, budget: int) -> int:
@@ -232,7 +316,8 @@ class Scheduler:
         return self.step_token_sizes[i - 1] - scheduled
 
     def _record(
-        self, request: Request, num_new: int, new_blocks: list[KVBlock], out: SchedulerOutput
+        self, request: Request, num_new: int, new_blocks: list[KVBlock], out: SchedulerOutput,
+        num_spec: int = 0, num_draft: int = 0,
     ) -> None:
         request_id = request.request_id
         if request_id in self._send_whole:
@@ -252,9 +337,16 @@ class Scheduler:
         elif new_blocks:
             out.new_block_ids[request_id] = [block.block_id for block in new_blocks]
         out.num_scheduled_tokens[request_id] = num_new
+        if request.spec_token_ids:  # proposals are for this step only
+            if num_spec:
+                out.scheduled_spec_token_ids[request_id] = request.spec_token_ids[:num_spec]
+            request.spec_token_ids = []
+        if num_draft:
+            out.num_draft_tokens[request_id] = num_draft
         num_computed = request.num_computed_tokens + num_new
         request.num_computed_tokens = num_computed
-        if num_computed == len(request.all_token_ids) + request.num_output_placeholders:
+        if (num_computed
+                == len(request.all_token_ids) + request.num_output_placeholders + num_spec):
             request.num_output_placeholders += 1  # this step samples its next token
             self._sampling.add(request_id)
 
@@ -272,6 +364,9 @@ class Scheduler:
             victim.num_output_placeholders -= 1
         out.new_requests = [r for r in out.new_requests if r.request_id != victim.request_id]
         out.new_block_ids.pop(victim.request_id, None)
+        out.scheduled_spec_token_ids.pop(victim.request_id, None)
+        out.num_draft_tokens.pop(victim.request_id, None)
+        victim.spec_token_ids = []
         self.kv_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -287,16 +382,23 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply stop rules, free finished requests."""
+        """Append sampled tokens, apply stop rules, free finished requests;
+        with speculation, roll back rejected proposals and keep new ones."""
         outputs = []
         requests = self.requests
         logprobs = runner_output.logprobs
+        if runner_output.prompt_logprobs:
+            self._add_prompt_logprobs(runner_output.prompt_logprobs)
+        prompt_logprobs_ready = self._prompt_logprobs_ready
+        spec_step = scheduler_output.is_spec_step
         for request_id, token_ids in runner_output.sampled_token_ids.items():
             request = requests.get(request_id)
             if request is None or not token_ids:
                 continue  # finished or aborted while its step was in flight
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
+            if spec_step:
+                self._verified(request, scheduler_output, len(token_ids))
             all_token_ids = request.all_token_ids
             new_tokens = token_ids
             if len(token_ids) == 1:  # the usual step: no loop
@@ -310,6 +412,8 @@ class Scheduler:
                         new_tokens = token_ids[: i + 1]
                         stopped = True
                         break
+            if spec_step and not stopped:
+                self._keep_proposals(request, scheduler_output, runner_output)
             if not request.report_every_step:
                 if request.num_reported_outputs and not stopped:
                     continue  # reported at its first token and when it finishes
@@ -323,13 +427,59 @@ class Scheduler:
                 new_logprobs=logprobs.get(request_id) if logprobs else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
+            if prompt_logprobs_ready and request_id in prompt_logprobs_ready:
+                prompt_logprobs_ready.discard(request_id)
+                output.prompt_logprobs = request.prompt_logprobs
             if stopped:
                 output.finish_reason = request.status.finish_reason
                 output.stop_reason = request.stop_reason
                 self._remove(request)  # a preempted request may finish from the waiting queue
                 self._free(request)
             outputs.append(output)
+        if self.spec_policy is not None and not scheduler_output.is_empty:
+            self.spec_policy.observe_step(
+                scheduler_output.total_num_scheduled_tokens,
+                len(runner_output.sampled_token_ids),
+                max(scheduler_output.num_draft_tokens.values(), default=0),
+                runner_output.device_s, runner_output.proposer_s,
+                bool(scheduler_output.scheduled_spec_token_ids))
         return outputs
+
+    def _add_prompt_logprobs(self, chunks: dict[str, PromptLogprobs]) -> None:
+        """Keep each request's prompt-logprob chunk; one whose prompt's are now
+        all in is reported with its next output (its first token's)."""
+        for request_id, chunk in chunks.items():
+            request = self.requests.get(request_id)
+            if request is None or not request.awaits_prompt_logprobs:
+                continue  # finished, or a prompt computed again after preemption
+            request.add_prompt_logprobs(chunk)
+            if not request.awaits_prompt_logprobs:
+                self._prompt_logprobs_ready.add(request_id)
+
+    def _verified(self, request: Request, scheduler_output: SchedulerOutput,
+                  num_sampled: int) -> None:
+        """Roll back the KV of the request's rejected proposals: the step
+        computed them, but only the accepted ones are the request's tokens."""
+        spec = scheduler_output.scheduled_spec_token_ids.get(request.request_id)
+        if not spec:
+            return
+        num_accepted = num_sampled - 1
+        request.num_computed_tokens -= len(spec) - num_accepted
+        if self.spec_policy is not None:
+            self.spec_policy.observe_verification(len(spec), num_accepted)
+
+    def _keep_proposals(self, request: Request, scheduler_output: SchedulerOutput,
+                        runner_output: ModelRunnerOutput) -> None:
+        """Free the blocks of rejected proposals and lookahead slots, and keep
+        the proposals for the next step (as many as ``max_tokens`` can use)."""
+        request_id = request.request_id
+        if (request_id in scheduler_output.scheduled_spec_token_ids
+                or request_id in scheduler_output.num_draft_tokens):
+            self.kv_manager.free_tail(request)
+        proposals = runner_output.spec_token_ids.get(request_id)
+        if proposals:
+            room = request.max_num_tokens - len(request.all_token_ids) - 1
+            request.spec_token_ids = proposals[:max(room, 0)]
 
     # ---------------------------------------------------------------- stats
 
@@ -349,6 +499,7 @@ class Scheduler:
             "num_preemptions": self.num_preemptions,
             "num_requests_running": len(self.running),
             "num_requests_waiting": len(self.waiting),
+            **(self.spec_policy.stats() if self.spec_policy is not None else {}),
         }
 
 

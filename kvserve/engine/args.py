@@ -2,8 +2,9 @@
 or flags of the CLI) and their resolution into one frozen ``EngineConfig``.
 
 Resolving reads the model's ``config.json`` (or a preset) to learn the
-architecture and the context length; weights are loaded later, by the
-worker.
+architecture and the context length, a hub id being fetched into the
+Hugging Face cache first (``kvserve/models/hub.py``); weights are loaded
+later, by the worker. Flags are checked before anything is downloaded.
 """
 
 from __future__ import annotations
@@ -13,11 +14,24 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from kvserve import envs
 from kvserve.assets import default_model_path
-from kvserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from kvserve.config import (
+    ALL_REDUCE_BACKENDS,
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from kvserve.distributed.sharding import check_split
+from kvserve.engine.speculative import resolve_speculative_config
 from kvserve.engine.tokenizer import has_tokenizer
-from kvserve.models.source import resolve_model_config
+from kvserve.models.hub import HubOptions
+from kvserve.models.source import resolve_model_config, resolve_model_path
 from kvserve.quant.config import QUANTIZE_AT_LOAD
 from kvserve.quant.formats import QUANTIZATION_CHOICES, read_quantize_config, resolve_quantization
 
@@ -26,6 +40,8 @@ LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 # CUDA graphs are captured for decode batches up to this size at most
 MAX_CUDA_GRAPH_SIZE = 512
+# the most top logprobs a request may ask for, unless --max-logprobs says otherwise
+DEFAULT_MAX_LOGPROBS = 20
 
 
 def default_cuda_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -61,12 +77,15 @@ def resolve_attention_backend(name: str, device: str) -> str:
     return "triton" if torch.cuda.is_available() else "torch"
 
 
-def resolve_async_scheduling(flag: bool | None, device: str) -> bool:
+def resolve_async_scheduling(flag: bool | None, device: str, world_size: int = 1) -> bool:
     """Unset means on when the engine runs on CUDA, where the device works
-    while the host prepares the next step; on the CPU the forward runs in the
+    while the host prepares the next step, or in worker processes (tensor /
+    pipeline parallelism); on the CPU in one process the forward runs in the
     calling thread, so there is nothing to overlap."""
     if flag is not None:
         return flag
+    if world_size > 1:
+        return True
     if device == "cpu":
         return False
     import torch
@@ -104,17 +123,48 @@ class EngineArgs:
     async_scheduling: bool | None = None
     quantization: str | None = None
     quantize_lm_head: bool = False
+    revision: str | None = None
+    hf_token: str | None = None
+    download_dir: str | None = None
+    chat_template: str | None = None
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    num_cpu_threads: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # None: torchrun's variables (MASTER_ADDR, ...) when set, else one node on 127.0.0.1
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    distributed_timeout_s: float = 300.0
+    all_reduce: str = "nccl"
+    # vLLM's keys: {"method": "ngram" | "draft_model" | "eagle" | "oracle",
+    # "num_speculative_tokens": k, "model": PATH, ...} (a dict, or its JSON)
+    speculative_config: dict[str, Any] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model = self.model or str(default_model_path())
+        self._check_flags()
+        chat_template = read_chat_template(self.chat_template)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format='{self.load_format}' is invalid: must be one of {LOAD_FORMATS}"
             )
         if self.device not in DEVICES:
             raise ValueError(f"device='{self.device}' is invalid: must be one of {DEVICES}")
-        model_config, path = resolve_model_config(model)
+        hub = HubOptions(self.revision, self.hf_token, self.download_dir)
+        model_config, path = resolve_model_config(model, hub,
+                                                  weights=self.load_format != "dummy")
         model_config = self._quantization(model_config, path)
+        parallel_config = self._parallel_config()
+        check_split(model_config, parallel_config.tensor_parallel_size,
+                    parallel_config.pipeline_parallel_size)
+        if self.speculative_config is not None and parallel_config.world_size > 1:
+            raise ValueError(
+                "speculative_config: speculative decoding runs in one process for now; got "
+                f"tensor_parallel_size={parallel_config.tensor_parallel_size} x "
+                f"pipeline_parallel_size={parallel_config.pipeline_parallel_size}"
+            )
         if path is None and self.load_format != "dummy":
             raise ValueError(
                 f"model='{model}' is a preset with no weights: pass load_format='dummy' "
@@ -137,9 +187,7 @@ class EngineArgs:
         if not self.enforce_eager and attention_backend == "triton" and self.device != "cpu":
             cuda_graph_sizes = self._cuda_graph_sizes()
             cuda_graph_token_sizes = self._cuda_graph_token_sizes(max_batched)
-        # without tokenizer files the engine falls back to the byte tokenizer
-        tokenizer = self.tokenizer or (str(path) if path is not None and has_tokenizer(path)
-                                       else None)
+        tokenizer = self._tokenizer_path(model, path, hub)
         return EngineConfig(
             model=model,
             model_config=model_config,
@@ -156,12 +204,15 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
-                async_scheduling=resolve_async_scheduling(self.async_scheduling, self.device),
+                async_scheduling=resolve_async_scheduling(self.async_scheduling, self.device,
+                                                          parallel_config.world_size),
+                pipeline_parallel_size=parallel_config.pipeline_parallel_size,
             ),
             lora_config=(LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
                          if self.enable_lora else None),
+            parallel_config=parallel_config,
             model_path=str(path) if path is not None else None,
-            tokenizer_path=str(Path(tokenizer)) if tokenizer else None,
+            tokenizer_path=str(tokenizer) if tokenizer is not None else None,
             load_format=self.load_format,
             dtype=self.dtype,
             device=self.device,
@@ -169,6 +220,26 @@ class EngineArgs:
             attention_backend=attention_backend,
             cuda_graph_sizes=cuda_graph_sizes,
             cuda_graph_token_sizes=cuda_graph_token_sizes,
+            chat_template=chat_template,
+            max_logprobs=self.max_logprobs,
+            num_cpu_threads=self.num_cpu_threads,
+            speculative_config=resolve_speculative_config(self.speculative_config, model_config,
+                                                          path, max_model_len),
+        )
+
+    def _parallel_config(self) -> ParallelConfig:
+        """The split and the node layout; unset node flags fall back to torchrun's
+        variables (MASTER_ADDR, MASTER_PORT, NODE_RANK, NNODES)."""
+        torchrun = envs.torchrun_defaults()
+        given = {"nnodes": self.nnodes, "node_rank": self.node_rank,
+                 "master_addr": self.master_addr, "master_port": self.master_port}
+        nodes = {key: value if value is not None else torchrun[key]
+                 for key, value in given.items() if value is not None or key in torchrun}
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_timeout_s=float(self.distributed_timeout_s), all_reduce=self.all_reduce,
+            **nodes,  # type: ignore[arg-type]
         )
 
     def _quantization(self, model_config: ModelConfig, path: Path | None) -> ModelConfig:
@@ -184,6 +255,25 @@ class EngineArgs:
         quantization = resolve_quantization(model_config.hf_config, self.quantization, source,
                                             quantize_config, self.quantize_lm_head)
         return dataclasses.replace(model_config, quantization=quantization)
+
+    def _check_flags(self) -> None:
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs={self.max_logprobs} is invalid: must be >= 0, or "
+                             "-1 for no limit (the vocabulary)")
+        if self.num_cpu_threads is not None and self.num_cpu_threads < 1:
+            raise ValueError(f"num_cpu_threads={self.num_cpu_threads} is invalid: must be >= 1 "
+                             "(unset: chosen at start-up)")
+
+    def _tokenizer_path(self, model: str, path: Path | None, hub: HubOptions) -> Path | None:
+        """``tokenizer`` (a directory or a hub id), else the model's own files;
+        None (the byte tokenizer) when there are none."""
+        if self.tokenizer is None or self.tokenizer == model:
+            return path if path is not None and has_tokenizer(path) else None
+        tokenizer = Path(self.tokenizer).expanduser()
+        if tokenizer.is_dir():
+            return tokenizer
+        return resolve_model_path(self.tokenizer, HubOptions(None, hub.token, hub.cache_dir),
+                                  field="tokenizer")
 
     def _cuda_graph_sizes(self) -> tuple[int, ...]:
         if self.cuda_graph_sizes is None:
@@ -213,37 +303,68 @@ class EngineArgs:
         defaults = EngineArgs()
         group = parser.add_argument_group("engine")
         group.add_argument("--model", default=None,
-                           help="local Hugging Face directory or preset name "
+                           help="a local Hugging Face directory, a Hugging Face hub id "
+                                "(org/name, fetched into the hub's cache) or a preset name "
                                 "(default: the bundled model)")
-        group.add_argument("--tokenizer", default=None)
+        group.add_argument("--tokenizer", default=None,
+                           help="a directory or hub id to take the tokenizer from "
+                                "(default: the model's own)")
         group.add_argument("--dtype", default=defaults.dtype,
                            help="auto | float32 | float16 | bfloat16")
-        group.add_argument("--load-format", default=defaults.load_format, choices=LOAD_FORMATS)
-        group.add_argument("--seed", type=int, default=defaults.seed)
-        group.add_argument("--device", default=defaults.device, choices=DEVICES)
-        group.add_argument("--attention-backend", default=defaults.attention_backend)
+        group.add_argument("--load-format", default=defaults.load_format, choices=LOAD_FORMATS,
+                           help="auto: the model's safetensors; dummy: random weights of its "
+                                "shape (presets, benchmarks)")
+        group.add_argument("--seed", type=int, default=defaults.seed,
+                           help="seed of random weights and of sampling without a "
+                                "per-request seed (default: %(default)s)")
+        group.add_argument("--device", default=defaults.device, choices=DEVICES,
+                           help="auto: CUDA when available, else the CPU")
+        group.add_argument("--attention-backend", default=defaults.attention_backend,
+                           help="auto: triton on CUDA, else torch (the reference)")
         group.add_argument("--enable-lora", action="store_true",
                            help="serve LoRA adapters (LoRARequest, --lora-modules)")
         group.add_argument("--max-loras", type=int, default=defaults.max_loras,
                            help="adapters resident on the device at once")
-        group.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank)
-        group.add_argument("--block-size", type=int, default=defaults.block_size)
-        group.add_argument("--num-kv-blocks", type=int, default=None)
+        group.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank,
+                           help="the largest adapter rank accepted (default: %(default)s)")
+        group.add_argument("--block-size", type=int, default=defaults.block_size,
+                           help="tokens per KV-cache block, a power of two "
+                                "(default: %(default)s)")
+        group.add_argument("--num-kv-blocks", type=int, default=None,
+                           help="KV-cache blocks to allocate (default: sized from "
+                                "--gpu-memory-utilization on CUDA, from the model on the CPU)")
         group.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
                            help="auto (the model's dtype) | fp8_e4m3 (alias fp8: scales from "
                                 "the checkpoint, else 1.0) | int8 (a scale per token and KV "
-                                "head): about twice the tokens in the same memory")
-        group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                           action="store_false")
+                                "head): about twice the tokens in the same memory "
+                                "(default: %(default)s)")
+        group.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                           action=argparse.BooleanOptionalAction,
+                           default=defaults.enable_prefix_caching,
+                           help="reuse the KV of prompt prefixes seen before (default: on)")
         group.add_argument("--gpu-memory-utilization", type=float,
-                           default=defaults.gpu_memory_utilization)
-        group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-        group.add_argument("--max-num-batched-tokens", type=int, default=None)
-        group.add_argument("--max-model-len", type=int, default=None)
-        group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                           action="store_false")
+                           default=defaults.gpu_memory_utilization,
+                           help="share of the GPU's memory the engine may use: weights, "
+                                "activations and the KV cache (default: %(default)s)")
+        group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                           help="the most requests in the running batch "
+                                "(default: %(default)s)")
+        group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                           help="the token budget of one step (default: "
+                                f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, or max_model_len without "
+                                "chunked prefill)")
+        group.add_argument("--max-model-len", type=int, default=None,
+                           help="the longest request, prompt and output, in tokens "
+                                "(default: the model's max_position_embeddings)")
+        group.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill",
+                           action=argparse.BooleanOptionalAction,
+                           default=defaults.enable_chunked_prefill,
+                           help="split long prompts over several steps beside decodes "
+                                "(default: on)")
         group.add_argument("--scheduling-policy", default=defaults.scheduling_policy,
-                           choices=("fcfs", "priority"))
+                           choices=("fcfs", "priority"),
+                           help="fcfs: first come, first served; priority: by request "
+                                "priority, then arrival")
         group.add_argument("--enforce-eager", action="store_true",
                            help="no CUDA graphs: run every step eagerly")
         group.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
@@ -266,8 +387,84 @@ class EngineArgs:
         group.add_argument("--quantize-lm-head", action="store_true",
                            help="with --quantization, quantise the LM head too "
                                 "(untied heads only)")
+        group.add_argument("--revision", default=None,
+                           help="the hub branch, tag or commit of --model (default: main)")
+        group.add_argument("--hf-token", default=None,
+                           help="a Hugging Face token for private or gated models "
+                                "(default: $HF_TOKEN or the saved login)")
+        group.add_argument("--download-dir", default=None,
+                           help="the hub cache to use (default: $HF_HUB_CACHE, "
+                                "i.e. $HF_HOME/hub)")
+        group.add_argument("--chat-template", default=None,
+                           help="a Jinja chat template, or a file holding one, used instead "
+                                "of the tokenizer's")
+        group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
+                           help="the most top logprobs a request may ask for; -1: no limit "
+                                "(default: %(default)s)")
+        group.add_argument("--num-cpu-threads", type=int, default=None,
+                           help="torch threads of an engine on the CPU (default: the cores "
+                                "idle at start-up, or $OMP_NUM_THREADS when set)")
+        parallel = parser.add_argument_group("parallelism")
+        parallel.add_argument("--tensor-parallel-size", "-tp", type=int,
+                              default=defaults.tensor_parallel_size,
+                              help="split every layer over this many devices (worker processes)")
+        parallel.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                              default=defaults.pipeline_parallel_size,
+                              help="split the layers into this many consecutive stages")
+        parallel.add_argument("--nnodes", type=int, default=None,
+                              help="nodes the worker processes spread over (default: NNODES, "
+                                   "or 1)")
+        parallel.add_argument("--node-rank", type=int, default=None,
+                              help="this node (0 runs the engine and the server; the others "
+                                   "run `kvserve serve --node-rank N` with the same flags; "
+                                   "default: NODE_RANK, or 0)")
+        parallel.add_argument("--master-addr", default=None,
+                              help="address of node 0, reachable from every node (default: "
+                                   "MASTER_ADDR, or 127.0.0.1)")
+        parallel.add_argument("--master-port", type=int, default=None,
+                              help="port of node 0's rendezvous store (default: MASTER_PORT, "
+                                   "or any free port on one node)")
+        parallel.add_argument("--distributed-timeout-s", type=float,
+                              default=defaults.distributed_timeout_s,
+                              help="a collective, or a worker's answer, waited for longer "
+                                   "fails the engine")
+        parallel.add_argument("--all-reduce", default=defaults.all_reduce,
+                              choices=ALL_REDUCE_BACKENDS,
+                              help="small TP all-reduces on CUDA: NCCL, or one-shot over "
+                                   "peer-to-peer symmetric memory (one node)")
+        group.add_argument("--speculative-config", default=None,
+                           help="speculative decoding as JSON, vLLM's keys: "
+                                '\'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                                "(methods: ngram, draft_model, eagle, oracle; \"model\": "
+                                "the draft or head directory)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: the text of a file, or a Jinja template given
+    inline; checked for Jinja syntax now. None: the tokenizer's own."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"chat_template: cannot read {path} ({exc})") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"chat_template='{value}' is invalid: not a file, nor a Jinja template "
+                         "(one with {{ ... }} or {% ... %})")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template: not a valid Jinja template: {exc.message} "
+                         f"(line {exc.lineno})") from None
+    return text

@@ -73,11 +73,13 @@ class ThreadedEngineClient:
     """Runs ``LLMEngine`` in a daemon thread; safe to call from one event loop."""
 
     def __init__(
-        self, engine: LLMEngine, idle_wait_s: float = 0.05, watchdog_s: float | None = None
+        self, engine: LLMEngine, idle_wait_s: float = 0.05, watchdog_s: float | None = None,
+        log_requests: bool = False,
     ) -> None:
         """``watchdog_s``: declare the engine dead when one step takes longer
-        (None: never)."""
+        (None: never); ``log_requests``: log each request as it is accepted."""
         self.engine = engine
+        self.log_requests = log_requests
         self.idle_wait_s = idle_wait_s
         self.watchdog_s = watchdog_s
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -105,6 +107,9 @@ class ThreadedEngineClient:
         self.engine.resolve_params(len(token_ids), params)
         if lora_request is not None:
             self.engine.add_lora(lora_request)
+        if self.log_requests:
+            logger.info("request %s: %d prompt tokens, %s%s", request_id, len(token_ids), params,
+                        f", adapter {lora_request.lora_name}" if lora_request else "")
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._sinks[request_id] = (loop, sink)

@@ -85,7 +85,9 @@ class IncrementalDetokenizer:
         ``include_stop_str_in_output``. Stop strings are looked for only once
         the request has more than ``min_tokens`` output tokens. After a stop
         string is found, ``output_text`` ends right before it (or right after
-        it with ``include_stop_str_in_output``) and later calls do nothing.
+        it with ``include_stop_str_in_output``), ``output_token_ids`` end with
+        the token that completed it (a step of several tokens, speculative
+        decoding's, may run past it) and later calls do nothing.
         """
         if self.finished:
             return None
@@ -110,6 +112,7 @@ class IncrementalDetokenizer:
                 and len(self.output_text) > num_old_chars
                 and self._check_stop(num_old_chars)
             ):
+                del self.output_token_ids[num_outputs:]
                 return self.stop_string
         return None
 

@@ -1,22 +1,33 @@
 """The engine core: the scheduler plus an executor, stepped in a loop.
 
 It works in token ids only (no text) and is what a separate engine process
-will run later. The executor is anything with ``execute_model`` (the
-in-process ``ModelRunner`` today), which queues a step and returns something
-whose ``get()`` waits for its output.
+will run later. The executor is anything with ``execute_model``, which
+queues a step and returns something whose ``get()`` waits for its output:
+the in-process ``ModelRunner`` on one device, or with tensor / pipeline
+parallelism the ``MultiprocExecutor``, which broadcasts each step to its
+worker processes (``create_executor`` picks; it is the engine's one door
+to the worker layer).
 
 With async scheduling (the default on CUDA) one step stays in flight: each
 ``step()`` schedules and queues step N+1, then waits for step N and reports
 its outputs, so the host's scheduling, input preparation and output
 processing overlap the device's work instead of leaving it idle. Greedy
 output is the same either way; a request that stops (EOS, stop string) costs
-one step of wasted device work for it.
+one step of wasted device work for it. A speculative step (one that verifies
+proposals or makes them) is reported in the call that queued it: the next
+step is planned from its accepted tokens and new proposals.
+
+With pipeline parallelism (``pipeline_parallel_size`` stages) as many steps
+are kept in flight as there are stages, so each stage works on its own
+step; the scheduler gives each step requests of its own, since a request's
+next step needs the token its previous one samples at the last stage.
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from typing import Any, Protocol
 
 from kvserve.config import EngineConfig
@@ -41,13 +52,30 @@ class Executor(Protocol):
 
     def add_lora(self, lora_request: LoRARequest) -> None: ...
 
+    def shutdown(self, kill: bool = False) -> None:
+        """Stop whatever the executor started (worker processes; ``kill``: at
+        once, without waiting for them); idempotent."""
+
 
 def create_executor(config: EngineConfig) -> Executor:
-    """Load the model on the configured device (the only place the engine
-    reaches into the worker layer; imported lazily)."""
+    """Load the model on the configured device, or start a worker process per
+    device of a parallel split (the only place the engine reaches into the
+    worker layer; imported lazily)."""
+    if config.parallel_config.world_size > 1:
+        from kvserve.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config)
     from kvserve.worker.executor import create_model_runner
 
     return create_model_runner(config)
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """Run the workers of a node other than node 0 of a multi-node engine
+    until the engine stops; the exit status (imported lazily, as above)."""
+    from kvserve.worker.node_agent import run_node_agent
+
+    return run_node_agent(config)
 
 
 class EngineCore:
@@ -58,11 +86,15 @@ class EngineCore:
         self.executor = executor
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, executor.num_kv_blocks + 1,
-            config.lora_config, config.cuda_graph_token_sizes,
+            config.lora_config, config.cuda_graph_token_sizes, config.speculative_config,
         )
         self.async_scheduling = config.scheduler_config.async_scheduling
-        # the step queued but not yet reported (async scheduling only)
-        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        # steps left queued when step() returns: none, or with async scheduling
+        # one, or one fewer than the pipeline's stages
+        num_stages = config.scheduler_config.pipeline_parallel_size
+        self.max_in_flight = max(1, num_stages - 1) if self.async_scheduling else 0
+        # steps queued but not yet reported, oldest first
+        self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.num_steps = 0
         self.last_step_s = time.monotonic()
         self.device_s = 0.0
@@ -87,17 +119,25 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule and queue a step; report the step that finished: this one,
-        or with async scheduling the one queued by the previous call (an
-        empty step is never left in flight)."""
+        """Schedule and queue a step; report the oldest step beyond those kept
+        in flight: this one, or with async scheduling one queued by an earlier
+        call. An empty step is never left in flight; it reports the oldest
+        step in flight, so its requests can run again."""
         scheduler_output = self.scheduler.schedule()
         pending = self.executor.execute_model(scheduler_output)
-        to_report = [self._in_flight] if self._in_flight is not None else []
-        self._in_flight = None
-        if self.async_scheduling and not scheduler_output.is_empty:
-            self._in_flight = (scheduler_output, pending)
-        else:
+        to_report: list[tuple[SchedulerOutput, PendingOutput]] = []
+        if scheduler_output.is_spec_step:  # read at once: the next step is planned from it
+            to_report.extend(self._in_flight)
+            self._in_flight.clear()
             to_report.append((scheduler_output, pending))
+        elif scheduler_output.is_empty:
+            if self._in_flight:
+                to_report.append(self._in_flight.popleft())
+            to_report.append((scheduler_output, pending))
+        else:
+            self._in_flight.append((scheduler_output, pending))
+            while len(self._in_flight) > self.max_in_flight:
+                to_report.append(self._in_flight.popleft())
         outputs = []
         for reported_output, reported_pending in to_report:
             start = time.perf_counter()
@@ -112,7 +152,11 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests or bool(self._in_flight)
+
+    def shutdown(self, kill: bool = False) -> None:
+        """Stop the executor's processes, if it has any (``kill``: at once)."""
+        self.executor.shutdown(kill)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id)

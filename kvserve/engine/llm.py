@@ -7,6 +7,7 @@ With ``enable_lora=True``, ``lora_request`` runs prompts with PEFT adapters.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, TypeVar, cast
 
@@ -21,6 +22,8 @@ from kvserve.lora.request import LoRARequest
 
 Message = dict[str, str]
 T = TypeVar("T")
+# seconds between two redraws of the progress bar
+PROGRESS_REFRESH_S = 0.5
 
 
 class LLM:
@@ -88,31 +91,41 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request is done. The bar counts output tokens
+        against the requests' ``max_tokens`` (a finished request counts its
+        whole budget), redrawn every ``PROGRESS_REFRESH_S``, so it moves
+        while long requests decode instead of only when they end."""
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
-                   dynamic_ncols=True)
-        num_output_tokens = 0
+        budgets = {r: (self.engine.progress(r) or (0, 0))[1] for r in request_ids}
+        bar = tqdm(total=sum(budgets.values()), desc="Generating", unit="tok",
+                   disable=not use_tqdm, dynamic_ncols=True)
+        num_output_tokens = finished_budget = 0
+        next_refresh_s = time.monotonic() + PROGRESS_REFRESH_S
         while len(finished) < len(wanted) and self.engine.has_unfinished_requests():
-            num_done = 0
             for output in self.engine.step():
                 if output.finished and output.request_id in wanted:
                     finished[output.request_id] = output
                     num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
-                    num_done += 1
-            if num_done:
-                # once per step, and drawn by update() at most every
-                # mininterval: redrawing per request costs ~0.1 ms each
+                    finished_budget += budgets[output.request_id]
+            if use_tqdm and (time.monotonic() >= next_refresh_s or len(finished) == len(wanted)):
+                next_refresh_s = time.monotonic() + PROGRESS_REFRESH_S
+                running = sum((self.engine.progress(r) or (0, 0))[0]
+                              for r in wanted if r not in finished)
                 elapsed = bar.format_dict["elapsed"] or 1e-9
-                bar.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s",
+                bar.set_postfix_str(f"{len(finished)}/{len(wanted)} prompts, output "
+                                    f"{(num_output_tokens + running) / elapsed:.1f} tok/s",
                                     refresh=False)
-                bar.update(num_done)
+                bar.update(finished_budget + running - bar.n)
         bar.close()
         return [finished[r] for r in request_ids]
 
     def stats(self) -> dict[str, Any]:
         """KV blocks (total, free, cached), prefix-cache counters, preemptions,
-        running and waiting requests, steps and their host/device time split."""
+        running and waiting requests, steps and their host/device time split;
+        with ``speculative_config`` the ``spec_decode_*`` counters, the
+        acceptance rate (accepted / proposed tokens) and the mean accepted
+        length (tokens per verification, the target's own token included)."""
         return self.engine.stats()
 
 

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.config import EngineConfig
-from kvserve.core.outputs import EngineCoreOutput
+from kvserve.core.outputs import EngineCoreOutput, Logprobs
 from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_core import EngineCore, Executor, create_executor
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.engine.structured_output import StructuredOutputCompiler
 from kvserve.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvserve.lora.request import LoRARequest
 
@@ -62,6 +63,8 @@ class _Tracked:
     # report only the finished request (offline generate): its text is then
     # decoded once at the end unless stop strings must be watched each step
     final_only: bool = False
+    # with prompt_logprobs: None for the first prompt token, then one dict each
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -81,6 +84,7 @@ class LLMEngine:
         self._core_to_sample: dict[str, tuple[_Tracked, _Sample]] = {}
         self._counter = itertools.count()
         self.step_s = 0.0  # wall time spent in step()
+        self._grammar_compiler: StructuredOutputCompiler | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, executor: Executor | None = None) -> LLMEngine:
@@ -88,6 +92,8 @@ class LLMEngine:
         tokenizer: Tokenizer = (
             load_tokenizer(config.tokenizer_path) if config.tokenizer_path else ByteTokenizer()
         )
+        if config.chat_template is not None:
+            tokenizer.set_chat_template(config.chat_template)
         core = EngineCore(config, executor or create_executor(config))
         return cls(config, tokenizer, core)
 
@@ -130,6 +136,12 @@ class LLMEngine:
                 f"{self.max_model_len}; the prompt must be at most {self.max_model_len - 1} "
                 "tokens"
             )
+        self._check_logprobs(params)
+        vocab_size = self.config.model_config.vocab_size
+        for token_id in params.logit_bias or {}:
+            if token_id >= vocab_size:
+                raise ValueError(f"logit_bias: token id {token_id} is out of range: must be in "
+                                 f"[0, {vocab_size - 1}]")
         params = params.with_eos_token_ids(self.eos_token_ids)
         if params.max_tokens is None:
             params.max_tokens = room
@@ -140,6 +152,34 @@ class LLMEngine:
                 "be generated"
             )
         return params
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """At most ``max_logprobs`` top logprobs (-1: the vocabulary)."""
+        vocab_size = self.config.model_config.vocab_size
+        limit = self.config.max_logprobs
+        limit = vocab_size if limit == -1 else min(limit, vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(
+                    f"{name}={value} is invalid: this engine returns at most {limit} "
+                    "top logprobs per token (max_logprobs, --max-logprobs)"
+                )
+
+    @property
+    def grammar_compiler(self) -> StructuredOutputCompiler:
+        """The structured-output compiler (built, and xgrammar imported, on first use)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = StructuredOutputCompiler(
+                self.tokenizer, self.config.model_config.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
+
+    def compile_grammar(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its structured output's grammar compiled and bound
+        (unchanged without one); ValueError when it cannot be compiled."""
+        if params.structured_output is None or params.grammar is not None:
+            return params
+        return params.with_grammar(self.grammar_compiler.compile(params.structured_output))
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check an adapter so requests can use it (a no-op once loaded).
@@ -174,7 +214,8 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request_id='{request_id}' is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
-        params = self.resolve_params(len(token_ids), params or SamplingParams())
+        params = self.compile_grammar(self.resolve_params(len(token_ids),
+                                                          params or SamplingParams()))
         lora_int_id = 0
         if lora_request is not None:
             self.add_lora(lora_request)
@@ -244,9 +285,20 @@ class LLMEngine:
             sample.token_ids.extend(new_ids)
             if core_output.new_logprobs is not None:
                 self._append_logprobs(sample, core_output)
+            if core_output.prompt_logprobs is not None and tracked.prompt_logprobs is None:
+                # every sample computes them, so a stream has them with any
+                # choice's first token; the first in is kept
+                tracked.prompt_logprobs = [None, *map(self._ranked, core_output.prompt_logprobs)]
             if sample.decode_at_end and core_output.finish_reason is None:
                 continue  # nothing to decode or report before it finishes
             delta_text = self._detokenize(sample, core_output, stopped)
+            num_past_stop = len(sample.token_ids) - len(sample.detokenizer.output_token_ids)
+            if sample.stop_reason is not None and num_past_stop > 0 and not sample.decode_at_end:
+                # the step's tokens ran past the stop string: drop those after it
+                del sample.token_ids[-num_past_stop:]
+                if sample.logprobs is not None:
+                    del sample.logprobs[-num_past_stop:]
+                new_ids = new_ids[:len(new_ids) - num_past_stop]
             # a final_only request is reported only when it finishes, so its
             # samples still running have nothing to report
             if sample.finish_reason is not None or not tracked.final_only:
@@ -300,12 +352,17 @@ class LLMEngine:
             sample.cumulative_logprob = 0.0
         assert core_output.new_logprobs is not None
         for entry in core_output.new_logprobs:
-            ranked: dict[int, Logprob] = {}
-            for position, (token_id, value) in enumerate(zip(entry.token_ids, entry.logprobs)):
-                rank = entry.sampled_rank if position == 0 else position
-                ranked.setdefault(token_id, Logprob(value, rank, self.tokenizer.decode([token_id])))
-            sample.logprobs.append(ranked)
+            sample.logprobs.append(self._ranked(entry))
             sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entry.logprobs[0]
+
+    def _ranked(self, entry: Logprobs) -> dict[int, Logprob]:
+        """One token's logprobs as ``{token_id: Logprob}``: the chosen token
+        first (with its rank), then the top ones (rank = position)."""
+        ranked: dict[int, Logprob] = {}
+        for position, (token_id, value) in enumerate(zip(entry.token_ids, entry.logprobs)):
+            rank = entry.sampled_rank if position == 0 else position
+            ranked.setdefault(token_id, Logprob(value, rank, self.tokenizer.decode([token_id])))
+        return ranked
 
     def _make_output(
         self, tracked: _Tracked, deltas: dict[int, tuple[str, list[int]]], finished: bool
@@ -332,6 +389,7 @@ class LLMEngine:
             request_id=tracked.request_id,
             prompt=tracked.prompt,
             prompt_token_ids=tracked.prompt_token_ids,
+            prompt_logprobs=tracked.prompt_logprobs,
             outputs=completions,
             finished=finished,
             metrics=tracked.metrics,
@@ -354,6 +412,19 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._tracked)
+
+    def progress(self, request_id: str) -> tuple[int, int] | None:
+        """(output tokens so far, the most it may produce) of an unfinished
+        request, over its samples; None once it has finished."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        num_tokens = 0
+        for sample in tracked.samples:
+            request = self.core.get_request(sample.core_request_id)
+            num_tokens += (request.num_output_tokens if request is not None
+                           else len(sample.token_ids))
+        return num_tokens, (tracked.params.max_tokens or 0) * len(tracked.samples)
 
     def stats(self) -> dict[str, Any]:
         """Scheduler counters, and where the steps' time went: ``device_s`` is

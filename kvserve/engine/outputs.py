@@ -55,6 +55,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # with SamplingParams.prompt_logprobs, from the first output on: None for
+    # the first prompt token, then token id -> Logprob (the prompt token + top ones)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

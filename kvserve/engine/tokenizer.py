@@ -49,6 +49,12 @@ class Tokenizer(ABC):
         """True when ``apply_chat_template`` can be used."""
 
     @abstractmethod
+    def info(self) -> dict[str, Any]:
+        """The tokenizer's configuration as JSON values (``/tokenizer_info``,
+        vLLM's shape: ``tokenizer_class``, the special tokens, the chat
+        template, ...), enough for a client to tokenize the same way."""
+
+    @abstractmethod
     def render_chat_template(
         self,
         messages: Sequence[Message],
@@ -56,6 +62,13 @@ class Tokenizer(ABC):
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text of a chat; ValueError when there is no template."""
+
+    def set_chat_template(self, template: str) -> None:
+        """Use the Jinja ``template`` instead of the tokenizer's own (``--chat-template``)."""
+        raise ValueError(
+            "chat_template: this model has no tokenizer files, so its chat format is fixed; "
+            "pass a model (or --tokenizer) with a Hugging Face tokenizer"
+        )
 
     def apply_chat_template(
         self,
@@ -85,7 +98,10 @@ class HfTokenizer(Tokenizer):
         self.all_special_ids = list(hf_tokenizer.all_special_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        # verbose=False: no warning about the tokenizer's model_max_length; the
+        # engine checks lengths against max_model_len itself, naming the field
+        return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens,
+                                             verbose=False))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # no clean-up of spaces: it rewrites earlier text (" ." -> "."), which
@@ -104,6 +120,19 @@ class HfTokenizer(Tokenizer):
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf_tokenizer, "chat_template", None))
+
+    def set_chat_template(self, template: str) -> None:
+        self.hf_tokenizer.chat_template = template
+
+    def info(self) -> dict[str, Any]:
+        tok = self.hf_tokenizer
+        config = {key: _json_value(value) for key, value in tok.init_kwargs.items()
+                  if key not in ("name_or_path", "tokenizer_file", "vocab_file", "merges_file")}
+        return {**config, "tokenizer_class": type(tok).__name__,
+                "chat_template": getattr(tok, "chat_template", None),
+                "vocab_size": self.vocab_size, "eos_token": tok.eos_token,
+                "bos_token": tok.bos_token, "pad_token": tok.pad_token,
+                "unk_token": tok.unk_token}
 
     def render_chat_template(
         self,
@@ -125,6 +154,17 @@ class HfTokenizer(Tokenizer):
         )
         assert isinstance(text, str)
         return text
+
+
+def _json_value(value: Any) -> Any:
+    """A tokenizer config value as JSON (an ``AddedToken`` as its text)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    return str(getattr(value, "content", value))
 
 
 def has_tokenizer(path: Path) -> bool:
@@ -218,6 +258,12 @@ class ByteTokenizer(Tokenizer):
     @property
     def has_chat_template(self) -> bool:
         return True
+
+    def info(self) -> dict[str, Any]:
+        names = self._SPECIAL_NAMES
+        return {"tokenizer_class": type(self).__name__, "vocab_size": self.vocab_size,
+                "bos_token": names[self.BOS_ID], "eos_token": names[self.EOS_ID],
+                "pad_token": names[self.PAD_ID], "unk_token": None, "chat_template": None}
 
     def render_chat_template(
         self,

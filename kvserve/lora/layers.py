@@ -15,11 +15,17 @@ For each slot used in the step, the forward adds
 ``(x[rows] @ A[s, slot].T) @ B[slot, slice s].T`` to the base output's rows:
 tokens grouped by slot, in plain torch (a punica-style Triton kernel is the
 GPU path still to come). The buffers are written only by ``LoRAManager``.
+
+With tensor parallelism an adapter is split as its base linear is: a
+column-parallel base keeps A whole and its rows of each slice's B; a
+row-parallel base keeps its input columns of A and B whole, and adds its
+partial delta before the base's all-reduce, which sums the deltas too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -36,21 +42,32 @@ class LoRABatch:
         self.slot_rows: list[tuple[int, torch.Tensor]] = []
 
 
+class LoRASlice(NamedTuple):
+    """One slice of a wrapped linear's output, with its own A and B."""
+
+    name: str  # the HF module whose adapter weights it takes
+    offset: int  # its first row in this rank's output
+    size: int  # its rows on this rank
+    b_start: int = 0  # where those rows start in the adapter's B
+    a_start: int = 0  # where this rank's input columns start in the adapter's A
+
+
 class LoRALinear(nn.Module):
     """``base(x)`` plus, for each row, the delta of the adapter in its slot."""
 
     def __init__(
         self,
         base: Linear,
-        slices: Sequence[tuple[str, int, int]],
+        slices: Sequence[LoRASlice | tuple[str, int, int]],
         max_loras: int,
         max_rank: int,
         batch: LoRABatch,
     ) -> None:
-        """``slices``: ``(HF module name, output offset, output size)`` in output order."""
+        """``slices`` in output order: ``LoRASlice`` or ``(HF module name, offset,
+        size)`` of a linear one process holds whole."""
         super().__init__()
         self.base = base
-        self.slices = list(slices)
+        self.slices = [LoRASlice(*piece) for piece in slices]
         self.batch = batch
         dtype, device = base.params_dtype, base.device
         self.lora_a: torch.Tensor  # [num_slices, max_loras, max_rank, input_size]
@@ -65,34 +82,39 @@ class LoRALinear(nn.Module):
         self.loaded_slots: set[int] = set()
 
     def set_slot(self, slot: int, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write an adapter into ``slot``: per HF module name, ``A [rank, input_size]``
-        and ``scaling * B [slice size, rank]``; slices it lacks stay zero."""
+        """Write an adapter into ``slot``: per HF module name, the whole ``A [rank,
+        in_features]`` and ``scaling * B [out_features, rank]`` (this rank takes
+        its part); slices it lacks stay zero."""
         self.lora_a[:, slot].zero_()
         self.lora_b[slot].zero_()
         self.loaded_slots.discard(slot)
-        for index, (name, offset, size) in enumerate(self.slices):
-            if name not in weights:
+        input_size = self.lora_a.shape[-1]
+        for index, piece in enumerate(self.slices):
+            if piece.name not in weights:
                 continue
-            lora_a, lora_b = weights[name]
+            lora_a, lora_b = weights[piece.name]
             rank = lora_a.shape[0]
-            self.lora_a[index, slot, :rank].copy_(lora_a)
-            self.lora_b[slot, offset:offset + size, :rank].copy_(lora_b)
+            self.lora_a[index, slot, :rank].copy_(
+                lora_a[:, piece.a_start:piece.a_start + input_size])
+            self.lora_b[slot, piece.offset:piece.offset + piece.size, :rank].copy_(
+                lora_b[piece.b_start:piece.b_start + piece.size])
             self.loaded_slots.add(slot)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)  # [num_tokens, output_size]
+        out = self.base.forward_local(x)  # [num_tokens, output_size]
         for slot, rows in self.batch.slot_rows:
             if slot not in self.loaded_slots:
                 continue
             rows_x = x.index_select(0, rows)  # [num_rows, input_size]
             deltas = [
-                (rows_x @ self.lora_a[index, slot].T) @ self.lora_b[slot, offset:offset + size].T
-                for index, (_, offset, size) in enumerate(self.slices)
+                (rows_x @ self.lora_a[index, slot].T)
+                @ self.lora_b[slot, piece.offset:piece.offset + piece.size].T
+                for index, piece in enumerate(self.slices)
             ]  # each [num_rows, size]
             out.index_add_(0, rows, torch.cat(deltas, dim=1))
-        return out
+        return self.base.reduce(out)
 
     def extra_repr(self) -> str:
-        names = ", ".join(name for name, _, _ in self.slices)
+        names = ", ".join(piece.name for piece in self.slices)
         max_loras, _, max_rank = self.lora_b.shape
         return f"slices=[{names}], max_loras={max_loras}, max_rank={max_rank}"

@@ -25,8 +25,8 @@ import torch
 
 from kvserve.config import LoRAConfig
 from kvserve.host_copy import to_device
-from kvserve.layers.linear import Linear, MergedColumnLinear, QKVLinear, ShardId
-from kvserve.lora.layers import LoRABatch, LoRALinear
+from kvserve.layers.linear import ColumnLinear, Linear, RowLinear, ShardId
+from kvserve.lora.layers import LoRABatch, LoRALinear, LoRASlice
 from kvserve.lora.peft import (
     SUPPORTED_TARGET_MODULES,
     WEIGHTS_FILE,
@@ -66,6 +66,8 @@ class LoRAManager:
         self.slots: OrderedDict[int, int] = OrderedDict()
         self.free_slots = list(range(lora_config.max_loras - 1, -1, -1))
         self.linears: list[tuple[int, LoRALinear]] = []  # (layer index, wrapped linear)
+        # the model's decoder layers (this process holds some of them with pipeline parallelism)
+        self.num_layers = model.config.num_layers
         # (layer, HF module) -> (in_features, out_features) an adapter's tensors must fit
         self.module_shapes: dict[ModuleKey, tuple[int, int]] = {}
         self._wrap_linears(model)
@@ -78,20 +80,30 @@ class LoRAManager:
             if match is None or not isinstance(module, Linear):
                 continue
             layer_idx, child = int(match.group(1)), match.group(3)
-            if child in packed and isinstance(module, QKVLinear | MergedColumnLinear):
-                slices = [(hf, *module.shard_offsets[shard]) for hf, shard in packed[child]
-                          if shard is not None]
-            elif child in SUPPORTED_TARGET_MODULES:
-                slices = [(child, 0, module.output_size)]
+            # (HF module, slice on this rank, the adapter's (in, out) features)
+            parts: list[tuple[LoRASlice, tuple[int, int]]] = []
+            if child in packed and isinstance(module, ColumnLinear):
+                for hf, shard_id in packed[child]:
+                    shard = module.shards[shard_id]
+                    parts.append((LoRASlice(hf, shard.offset, shard.size, shard.start),
+                                  (module.input_size, shard.full_size)))
+            elif child in SUPPORTED_TARGET_MODULES and isinstance(module, RowLinear):
+                a_start = module.tp.rank * module.input_size
+                parts.append((LoRASlice(child, 0, module.output_size, 0, a_start),
+                              (module.full_input_size, module.output_size)))
+            elif child in SUPPORTED_TARGET_MODULES and isinstance(module, ColumnLinear):
+                shard = module.shards[None]
+                parts.append((LoRASlice(child, 0, shard.size, shard.start),
+                              (module.input_size, shard.full_size)))
             else:
                 continue
-            wrapped = LoRALinear(module, slices, self.config.max_loras,
+            wrapped = LoRALinear(module, [piece for piece, _ in parts], self.config.max_loras,
                                  self.config.max_lora_rank, self.batch)
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name), attr, wrapped)
             self.linears.append((layer_idx, wrapped))
-            for hf, _, size in slices:
-                self.module_shapes[(layer_idx, hf)] = (module.input_size, size)
+            for piece, features in parts:
+                self.module_shapes[(layer_idx, piece.name)] = features
 
     # ------------------------------------------------------------ loading
 
@@ -117,15 +129,20 @@ class LoRAManager:
     ) -> dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]:
         # (layer, HF module) -> "A" / "B" -> (tensor name, tensor)
         pairs: dict[ModuleKey, dict[str, tuple[str, torch.Tensor]]] = {}
+        local_layers = {layer for layer, _ in self.module_shapes}
+        num_tensors = 0
         for name, tensor in iter_safetensors([file]):
             layer_idx, module, kind = parse_tensor_name(name)
+            num_tensors += 1
+            if layer_idx < self.num_layers and layer_idx not in local_layers:
+                continue  # another pipeline stage's layer
             if (layer_idx, module) not in self.module_shapes:
-                num_layers = 1 + max(layer for layer, _ in self.module_shapes)
+                num_layers = self.num_layers
                 raise ValueError(f"{WEIGHTS_FILE}: tensor '{name}' targets layer {layer_idx} "
                                  f"but the base model has {num_layers} layers: an adapter for "
                                  "another base model?")
             pairs.setdefault((layer_idx, module), {})[kind] = (name, tensor.to(torch.float32))
-        if not pairs:
+        if not num_tensors:
             raise ValueError(f"{file} holds no LoRA tensors")
         weights = {}
         for key, pair in pairs.items():
@@ -179,8 +196,8 @@ class LoRAManager:
             slot = self.slots.pop(victim)
         for layer_idx, linear in self.linears:
             linear.set_slot(slot, {
-                name: adapter.weights[(layer_idx, name)] for name, _, _ in linear.slices
-                if (layer_idx, name) in adapter.weights
+                piece.name: adapter.weights[(layer_idx, piece.name)] for piece in linear.slices
+                if (layer_idx, piece.name) in adapter.weights
             })
         self.slots[lora_id] = slot
         return slot

@@ -11,9 +11,11 @@ Quark), ``k_proj.k_scale`` / ``v_proj.v_scale`` (ModelOpt) and
 ``prob_scale`` in the same places scale FP8 attention arithmetic, which
 kvserve does not do (q and the probabilities stay 16-bit): they are dropped.
 
-A scale is one value (per tensor) or one per KV head, finite and > 0.
-Either every layer has both its K and V scales or none has any; anything
-else is a ValueError naming the tensor. Owns no policy: whether the scales
+A scale is one value (per tensor) or one per KV head of the checkpoint,
+finite and > 0; with tensor parallelism each rank keeps its KV heads'
+(``split_heads``), with pipeline parallelism each stage its layers'. Either
+every layer has both its K and V scales or none has any; anything else is a
+ValueError naming the tensor. Owns no policy: whether the scales
 are used is the KV cache dtype's business (``worker/kv_cache.py``).
 """
 
@@ -25,9 +27,13 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from kvserve.layers.attention import get_attention_layers
+from kvserve.config import ModelConfig
+from kvserve.distributed.parallel_state import building_state
+from kvserve.distributed.sharding import split_heads
+from kvserve.layers.attention import Attention
 
 _NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(.+)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # suffix after ``self_attn.`` -> the scales it gives: "k", "v", both, or none (dropped)
 _SUFFIXES: dict[str, tuple[str, ...]] = {
     "k_scale": ("k",), "v_scale": ("v",), "kv_scale": ("k", "v"),
@@ -43,8 +49,18 @@ class KVScaleReader:
     (``filter``) and, once the stream is read, checks and attaches them
     (``finish``)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.layers = get_attention_layers(model)
+    def __init__(self, model: nn.Module, config: ModelConfig) -> None:
+        # the checkpoint's layer index -> this process's attention layer of it
+        self.layers: dict[int, Attention] = {}
+        for name, module in model.named_modules():
+            match = _LAYER.match(name)
+            if isinstance(module, Attention) and match is not None:
+                self.layers[int(match.group(1))] = module
+        self.num_layers = config.num_layers
+        self.num_kv_heads = config.num_kv_heads  # the checkpoint's
+        tp = building_state().tp
+        split = split_heads(config.num_heads, config.num_kv_heads, tp.size, tp.rank)
+        self.kv_heads = slice(split.kv_head_start, split.kv_head_start + split.num_kv_heads)
         # (layer, "k" or "v") -> (the checkpoint tensor's name, [num_kv_heads] float32)
         self.scales: dict[tuple[int, str], tuple[str, torch.Tensor]] = {}
 
@@ -61,17 +77,16 @@ class KVScaleReader:
                 self._keep(name, layer, kind, tensor)
 
     def _keep(self, name: str, layer: int, kind: str, tensor: torch.Tensor) -> None:
-        if layer >= len(self.layers):
+        if layer >= self.num_layers:
             raise ValueError(f"checkpoint tensor '{name}': layer {layer} does not exist "
-                             f"(the model has {len(self.layers)})")
-        num_kv_heads = self.layers[layer].num_kv_heads
-        if tensor.numel() not in (1, num_kv_heads) or not tensor.is_floating_point():
+                             f"(the model has {self.num_layers})")
+        if tensor.numel() not in (1, self.num_kv_heads) or not tensor.is_floating_point():
             raise ValueError(
                 f"checkpoint tensor '{name}': a KV-cache scale of shape {tuple(tensor.shape)} "
                 f"and dtype {tensor.dtype}; expected one floating-point value or one per KV "
-                f"head ({num_kv_heads})"
+                f"head ({self.num_kv_heads})"
             )
-        values = tensor.detach().float().reshape(-1).expand(num_kv_heads).clone()
+        values = tensor.detach().float().reshape(-1).expand(self.num_kv_heads).clone()
         if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
             raise ValueError(f"checkpoint tensor '{name}': KV-cache scale {values.tolist()}; "
                              "every scale must be finite and > 0")
@@ -86,7 +101,7 @@ class KVScaleReader:
         if not self.scales:
             return
         first_name = next(iter(self.scales.values()))[0]
-        for layer in range(len(self.layers)):
+        for layer in range(self.num_layers):
             for kind in ("k", "v"):
                 if (layer, kind) not in self.scales:
                     raise ValueError(
@@ -94,6 +109,6 @@ class KVScaleReader:
                         f"another spelling of it): it has KV-cache scales ('{first_name}') "
                         "but not for every layer"
                     )
-        for layer, attention in enumerate(self.layers):
+        for layer, attention in self.layers.items():  # this rank's layers and KV heads
             attention.checkpoint_kv_scales = torch.stack(
-                [self.scales[layer, "k"][1], self.scales[layer, "v"][1]])
+                [self.scales[layer, "k"][1][self.kv_heads], self.scales[layer, "v"][1][self.kv_heads]])

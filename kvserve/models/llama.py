@@ -8,10 +8,20 @@ which routes HF tensor names to those parameters. Variants that only differ
 by config (q/k/v bias, sliding windows) need no code here; a variant that
 changes the math subclasses ``LlamaAttention`` (see ``qwen.py``).
 Attention itself is the backend's job; this file never reads the KV cache.
+
+Built for a rank of a parallel split (``distributed/parallel_state.py``),
+the layers hold that rank's heads and rows, and ``LlamaModel`` holds one
+pipeline stage: its contiguous range of decoder layers (the others are
+empty placeholders, so parameter names keep their layer index), the
+embedding on the first stage, the final norm and head on the last. A stage
+after the first takes the previous stage's hidden states and residual as
+``intermediate``; one before the last returns its own. ``load_weights``
+skips the tensors of other stages.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -20,6 +30,8 @@ from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.config import ModelConfig
+from kvserve.distributed.parallel_state import building_state
+from kvserve.distributed.sharding import layer_range
 from kvserve.layers.activation import get_act_and_mul
 from kvserve.layers.attention import Attention
 from kvserve.layers.embedding import LMHead, VocabEmbedding
@@ -35,6 +47,8 @@ from kvserve.layers.linear import (
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.registry import CausalLM
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class LlamaMLP(nn.Module):
@@ -65,17 +79,18 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         prefix, quant = f"model.layers.{layer_idx}.self_attn", config.quantization
         self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+            config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads,
             bias=config.qkv_bias,
             quant_method=linear_method(quant, [f"{prefix}.{p}_proj" for p in "qkv"]),
         )
+        # this rank's heads (all of them in one process)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowLinear(
-            self.num_heads * self.head_dim, config.hidden_size,
+            config.num_heads * self.head_dim, config.hidden_size,
             bias=bool(config.hf_config.get("attention_bias", False)),
             quant_method=linear_method(quant, [f"{prefix}.o_proj"]),
         )
@@ -131,28 +146,43 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and the final norm."""
+    """Embedding, decoder layers and the final norm (of this rank's pipeline stage)."""
 
     def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        layout = building_state().layout
+        self.is_first_stage, self.is_last_stage = layout.is_first_stage, layout.is_last_stage
+        self.start_layer, self.end_layer = layer_range(config.num_layers, layout.pp_size,
+                                                       layout.pp_rank)
+        self.embed_tokens = (VocabEmbedding(config.vocab_size, config.hidden_size)
+                             if self.is_first_stage else None)
         # one rotary module (one cos/sin cache) shared by every layer
         rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_parameters
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, rotary_emb, attention_cls)
+            if self.start_layer <= i < self.end_layer else nn.Identity()  # another stage's
             for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
+                     if self.is_last_stage else None)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        if intermediate is None:
+            assert self.embed_tokens is not None, "a later pipeline stage needs intermediate"
+            hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        else:  # [num_tokens, 2, hidden_size]: the previous stage's hidden states and residual
+            hidden_states, residual = (t.contiguous() for t in intermediate.unbind(1))
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, metadata)
+        if self.norm is None:  # the next stage goes on from here
+            assert residual is not None
+            return torch.stack((hidden_states, residual), dim=1)
         if residual is None:
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -179,21 +209,31 @@ class LlamaForCausalLM(CausalLM):
                 "(mixture of experts) is not supported"
             )
         self.model = LlamaModel(config, self.attention_cls)
-        tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to,
-                              quant_method=linear_method(config.quantization, ["lm_head"]))
+        self.lm_head: LMHead | None = None
+        if self.model.is_last_stage:
+            # a tied head on a later stage than the embedding loads its own copy of it
+            tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
+            self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to,
+                                  quant_method=linear_method(config.quantization, ["lm_head"]),
+                                  tied=config.tie_word_embeddings)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size], final norm applied
-        return self.model(input_ids, positions, metadata)
+        intermediate: torch.Tensor | None = None,  # [num_tokens, 2, hidden_size]
+    ) -> torch.Tensor:  # [num_tokens, hidden_size], final norm applied (the last stage)
+        return self.model(input_ids, positions, metadata, intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[num_rows, hidden_size]`` -> ``[num_rows, vocab_size]`` float32 logits."""
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head(hidden_states)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.model.embed_tokens is not None, "only the first pipeline stage embeds"
+        return self.model.embed_tokens(input_ids)
 
     def _route(self, name: str) -> tuple[str, ShardId, tuple[str, ...]]:
         """HF tensor name -> (our parameter name, shard id, HF names that parameter holds)."""
@@ -224,6 +264,22 @@ class LlamaForCausalLM(CausalLM):
                 return [param_name.replace(f".{packed}.", f".{hf}.") for hf, _ in shards]
         return [param_name]
 
+    def _on_another_stage(self, param_name: str) -> bool:
+        """Whether ``param_name`` belongs to a pipeline stage other than this one."""
+        match = _LAYER_RE.match(param_name)
+        if match is not None:
+            return not self.model.start_layer <= int(match.group(1)) < self.model.end_layer
+        if param_name.startswith("model.embed_tokens."):
+            return not self.model.is_first_stage
+        return not self.model.is_last_stage and param_name.startswith(("model.norm.", "lm_head."))
+
+    def _load(self, param_name: str, param: torch.nn.Parameter, tensor: torch.Tensor,
+              shard_id: ShardId, name: str) -> None:
+        try:
+            get_weight_loader(self, param_name)(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor '{name}': {e}") from e
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into the parameters, casting dtype.
 
@@ -233,22 +289,25 @@ class LlamaForCausalLM(CausalLM):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        # a tied head on a later pipeline stage than the embedding loads the table itself
+        head_copies_embedding = self.lm_head is not None and self.lm_head.copies_embedding
         for name, tensor in weights:
             if name.endswith(self.ignored_suffixes):
                 continue
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue  # the head reuses model.embed_tokens.weight
+            if head_copies_embedding and name == "model.embed_tokens.weight":
+                self._load("lm_head.weight", params["lm_head.weight"], tensor, None, name)
+                loaded.add("lm_head.weight")
             param_name, shard_id, hf_names = self._route(name)
+            if param_name not in params and self._on_another_stage(param_name):
+                continue
             if param_name not in params:
                 raise ValueError(
                     f"checkpoint tensor '{name}' has no matching parameter in "
                     f"{self.config.architecture} (unexpected name; wrong architecture?)"
                 )
-            param = params[param_name]
-            try:
-                get_weight_loader(self, param_name)(param, tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor '{name}': {e}") from e
+            self._load(param_name, params[param_name], tensor, shard_id, name)
             loaded.update(hf_names)
         missing = [n for p in params for n in self._expected_names(p) if n not in loaded]
         if missing:

@@ -7,7 +7,8 @@ KV-cache scales, if any, to the attention layers: ``kv_scales.py``); then
 each linear's method finishes its weights (``process_weights_after_loading``).
 A quantised model's linears hold kvserve's packed layout from the start, so
 a 16-bit copy of its weights is never built on the device.
-It never downloads: a model is a preset name or a local directory.
+It never downloads: it reads a local directory (a hub id is resolved to its
+snapshot directory before, by ``kvserve/models/source.py``).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        kv_scales = KVScaleReader(model)  # an FP8 checkpoint's KV-cache scales
+        kv_scales = KVScaleReader(model, config)  # an FP8 checkpoint's KV-cache scales
         weights = kv_scales.filter(iter_safetensors(files))
         if config.quantization is not None:  # converted into kvserve's packed layout
             weights = quantized_stream(config.quantization, weights,

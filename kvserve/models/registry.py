@@ -29,11 +29,21 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size], final norm applied
+        # a later pipeline stage's input: the previous stage's output
+        intermediate: torch.Tensor | None = None,  # [num_tokens, 2, hidden_size]
+    ) -> torch.Tensor:
+        """``[num_tokens, hidden_size]`` with the final norm applied; a pipeline
+        stage before the last returns ``[num_tokens, 2, hidden_size]`` (hidden
+        states and residual) for the next."""
         raise NotImplementedError
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[num_rows, hidden_size]`` -> ``[num_rows, vocab_size]`` float32 logits."""
+        raise NotImplementedError
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens]`` ids -> ``[num_tokens, hidden_size]`` input embeddings
+        (an EAGLE head reads the target's)."""
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

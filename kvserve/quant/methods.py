@@ -65,6 +65,13 @@ class LinearMethod:
     def process_weights_after_loading(self, layer: Any) -> None:
         """Called once after every weight is loaded; nothing to do by default."""
 
+    def input_shard(self, layer: Any, name: str, rank: int) -> tuple[int, int, int] | None:
+        """Where rank ``rank`` of a row-parallel ``layer`` (whose ``input_size`` is
+        its slice of the input columns) finds parameter ``name`` in the whole
+        checkpoint tensor: ``(start, size, full size)`` along dim 1, or None when
+        every rank takes it whole."""
+        raise NotImplementedError
+
     def set_use_triton(self, layer: Any, enabled: bool) -> None:
         """Run ``layer`` on its Triton kernels (or its torch reference)."""
         layer.use_triton = enabled
@@ -93,6 +100,10 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def init_dummy(self, layer: Any, generator: torch.Generator, std: float) -> None:
         layer.weight.normal_(0.0, std, generator=generator)
+
+    def input_shard(self, layer: Any, name: str, rank: int) -> tuple[int, int, int] | None:
+        k = layer.input_size
+        return rank * k, k, k * layer.tp.size
 
     def apply(
         self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None
@@ -149,6 +160,19 @@ class WeightOnlyLinearMethod(LinearMethod):
         layer.scales = _param(n, k // group_size)
         layer.zeros = None if self.symmetric else _param(n, k // group_size)
         layer.perm = _param(k, dtype=torch.int64) if self.act_order else None
+
+    def input_shard(self, layer: Any, name: str, rank: int) -> tuple[int, int, int] | None:
+        """``qweight`` splits by packed bytes, ``scales`` / ``zeros`` by whole
+        groups (the engine refuses a TP size that would split one), per-channel
+        scales not at all; ``perm`` is the layer's to narrow."""
+        k, tp_size = layer.input_size, layer.tp.size
+        if name == "qweight":
+            size = k * self.bits // 8
+        elif name in ("scales", "zeros") and self.config.group_size != -1:
+            size = k // self.config.group_size
+        else:
+            return None
+        return rank * size, size, size * tp_size
 
     def quantized_weight(self, layer: Any) -> QuantizedWeight:
         return QuantizedWeight(layer.qweight, layer.scales, layer.zeros, self.bits,

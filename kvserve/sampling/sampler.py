@@ -5,10 +5,13 @@ as device tensors plus host-side fast-path flags) from the ``SamplingRows``
 it keeps per request (numpy columns) and calls ``Sampler``.
 The order of operations is:
 
-    penalties (repetition, presence, frequency) -> min_tokens mask
+    logit bias -> grammar bitmask -> penalties (repetition, presence, frequency) -> min_tokens mask
     -> greedy rows: argmax
     -> temperature -> min_p -> top_k -> top_p -> exponential-race sample
 
+Everything before the draw is ``Sampler.process``, which speculative
+verification (``rejection.py``) shares, so a speculative step accepts
+against exactly the distribution a plain step would sample from.
 Logprobs are of the raw model distribution (log_softmax of the logits as
 given, before any of the above), as vLLM returns them by default.
 Both argmaxes (greedy rows, the race) take ``kernels/argmax.py`` with ``use_triton``.
@@ -21,7 +24,7 @@ copies (``to_device`` queues them). Every branch is on a flag that
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,6 +101,7 @@ class SamplingRows:
                            else self.vocab_size)
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.argmax_only[row] = (greedy and params.logprobs is None and params.min_tokens == 0
+                                 and not params.changes_logits
                                  and not self.has_penalties(np.array([row]))[0])
 
     def has_penalties(self, rows: np.ndarray) -> np.ndarray:
@@ -153,6 +157,12 @@ class SamplingBatch:
     # (row, token) pairs forced to -inf: stop/EOS tokens of rows below min_tokens
     forbidden_row_idx: torch.Tensor | None  # [K] int64
     forbidden_token_ids: torch.Tensor | None  # [K] int64
+    # (row, token, bias) triples added to the logits (SamplingParams.logit_bias)
+    bias_row_idx: torch.Tensor | None  # [B] int64
+    bias_token_ids: torch.Tensor | None  # [B] int64
+    bias_values: torch.Tensor | None  # [B] float32
+    # structured output: bit j of word i of a row set when token 32 i + j is allowed
+    token_bitmask: torch.Tensor | None  # [R, ceil(vocab_size / 32)] int32
     # row index -> that request's own generator (seeded, non-greedy rows only)
     generators: dict[int, torch.Generator]
     # None when no row wants logprobs
@@ -210,6 +220,7 @@ class SamplingBatch:
         return cls.from_rows(
             SamplingRows.of(params, vocab_size), prompt_token_ids, output_token_ids, forbidden,
             {i: g for i, g in enumerate(generators) if g is not None}, device,
+            logit_bias_triples(enumerate(params)),
         )
 
     @classmethod
@@ -221,11 +232,15 @@ class SamplingBatch:
         forbidden: Sequence[tuple[int, int]],
         generators: dict[int, torch.Generator],
         device: torch.device | str,
+        logit_bias: Sequence[tuple[int, int, float]] = (),
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """The batch of ``rows``. The token ids are read only when a row has a
         penalty (the runner passes None otherwise); ``forbidden`` are the
         (row, token) pairs to mask (``forbidden_token_ids``); ``generators``
-        maps rows to seeded generators (greedy rows' are dropped)."""
+        maps rows to seeded generators (greedy rows' are dropped);
+        ``logit_bias`` the (row, token, bias) triples (``logit_bias_triples``);
+        ``token_bitmask`` the rows' allowed tokens, on the host (int32 words)."""
         vocab_size = rows.vocab_size
         all_greedy = bool(rows.greedy.all())
         all_random = not rows.greedy.any()
@@ -249,6 +264,11 @@ class SamplingBatch:
         if forbidden:
             pairs = to_device(list(forbidden), torch.int64, device)
             forbidden_rows, forbidden_ids = pairs[:, 0], pairs[:, 1]
+        bias_rows = bias_ids = bias_values = None
+        if logit_bias:
+            bias_rows = to_device([t[0] for t in logit_bias], torch.int64, device)
+            bias_ids = to_device([t[1] for t in logit_bias], torch.int64, device)
+            bias_values = to_device([t[2] for t in logit_bias], torch.float32, device)
         max_logprobs = int(rows.num_logprobs.max(initial=-1))
         return cls(
             num_rows=rows.num_rows,
@@ -268,6 +288,11 @@ class SamplingBatch:
             prompt_token_mask=prompt_mask,
             forbidden_row_idx=forbidden_rows,
             forbidden_token_ids=forbidden_ids,
+            bias_row_idx=bias_rows,
+            bias_token_ids=bias_ids,
+            bias_values=bias_values,
+            token_bitmask=(None if token_bitmask is None
+                           else to_device(token_bitmask.numpy(), torch.int32, device)),
             generators={i: g for i, g in generators.items() if not rows.greedy[i]},
             max_num_logprobs=max_logprobs if max_logprobs >= 0 else None,
         )
@@ -285,6 +310,14 @@ def _token_counts(
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.int32, device=device)
     counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))
     return counts[:, :vocab_size]
+
+
+def logit_bias_triples(
+    rows: Iterable[tuple[int, SamplingParams]],
+) -> list[tuple[int, int, float]]:
+    """(row, token, bias) for every ``logit_bias`` entry of ``(row, params)``."""
+    return [(row, token_id, float(bias)) for row, params in rows
+            for token_id, bias in (params.logit_bias or {}).items()]
 
 
 def forbidden_token_ids(
@@ -346,32 +379,57 @@ class Sampler:
         raw_logprobs = None
         if batch.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        greedy_ids, probs = self.process(logits, batch)
+        if probs is None:
+            assert greedy_ids is not None, "an all-greedy batch has its argmax"
+            sampled = greedy_ids
+        else:
+            sampled = exponential_race(probs, batch.generators, self.use_triton)
+            if greedy_ids is not None and batch.greedy_mask is not None:
+                sampled = torch.where(batch.greedy_mask, greedy_ids, sampled)
+        if raw_logprobs is None or batch.max_num_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        return gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
+
+    def process(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Everything a step applies to float32 ``[R, vocab]`` logits before
+        it draws: the greedy rows' tokens (None when every row is random) and
+        the random rows' final distribution (None when every row is greedy;
+        rows of the other kind hold values to ignore). Speculative
+        verification takes the target's distribution from here, so it is
+        exactly the one a plain step samples from."""
+        if batch.bias_row_idx is not None:
+            assert batch.bias_token_ids is not None and batch.bias_values is not None
+            logits = logits.index_put((batch.bias_row_idx, batch.bias_token_ids),
+                                      batch.bias_values, accumulate=True)
+        if batch.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, batch.token_bitmask)
         logits = apply_penalties(logits, batch)
         if batch.forbidden_row_idx is not None and batch.forbidden_token_ids is not None:
             logits = logits.index_put(
                 (batch.forbidden_row_idx, batch.forbidden_token_ids),
                 torch.full((), float("-inf"), device=logits.device),
             )
-        sampled = self._sample(logits, batch)
-        if raw_logprobs is None or batch.max_num_logprobs is None:
-            return SamplerOutput(sampled_token_ids=sampled)
-        return gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
-
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_ids = None if batch.all_random else self.argmax(logits)
-        if batch.all_greedy and greedy_ids is not None:
-            return greedy_ids
+        if batch.all_greedy:
+            return greedy_ids, None
         assert batch.temperature is not None, "a batch with random rows has temperatures"
         # a new tensor: the masks below may work in place
         logits = logits / batch.temperature.unsqueeze(1)
         if batch.min_p is not None:
             apply_min_p_(logits, batch.min_p)
         logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        random_ids = exponential_race(probs, batch.generators, self.use_triton)
-        if greedy_ids is None or batch.greedy_mask is None:
-            return random_ids
-        return torch.where(batch.greedy_mask, greedy_ids, random_ids)
+        return greedy_ids, torch.softmax(logits, dim=-1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``-inf`` for every token whose bit is clear (bit ``j`` of word ``i`` is
+    token ``32 i + j``); out of place."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :logits.shape[1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -29,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve import __version__
 from kvserve.server.metrics import CONTENT_TYPE
+from kvserve.server.openapi import openapi_document
 from kvserve.server.protocol import (
     INTERNAL_ERROR_MESSAGE,
     APIError,
@@ -88,7 +90,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return _error_response(APIError(exc.status_code, str(exc.detail)))
+        # a 405 keeps Starlette's Allow header (the route's methods)
+        return _error_response(APIError(exc.status_code, str(exc.detail),
+                                        headers=exc.headers))
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -130,6 +134,7 @@ def build_app(state: ServerState) -> FastAPI:
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvserve = state
     serving = OpenAIServing(state)
+    created = int(time.time())  # /v1/models reports when this server started
     _install_error_handlers(app)
     if state.config.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=state.config.api_keys)
@@ -149,35 +154,40 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return JSONResponse(openapi_document())
+
     @app.get("/version")
     async def version() -> Response:
         return JSONResponse({"version": __version__})
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse({"object": "list", "data": _model_cards(state)})
+        return JSONResponse({"object": "list", "data": _model_cards(state, created)})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
         serving.check_model(model_id)
-        return JSONResponse(next(c for c in _model_cards(state) if c["id"] == model_id))
+        return JSONResponse(next(c for c in _model_cards(state, created)
+                                 if c["id"] == model_id))
 
     _add_tokenizer_routes(app, state, serving)
     return app
 
 
-def _model_cards(state: ServerState) -> list[dict[str, Any]]:
+def _model_cards(state: ServerState, created: int) -> list[dict[str, Any]]:
     """The served model's names, then its LoRA adapters (``parent``: the model,
-    ``root``: the adapter's directory), as vLLM lists them."""
+    ``root``: the adapter's directory), as vLLM lists them; ``created``: Unix time."""
     engine = state.engine
     max_model_len = engine.max_model_len if engine is not None else None
     base = [{
-        "id": name, "object": "model", "created": 0, "owned_by": "kvserve",
+        "id": name, "object": "model", "created": created, "owned_by": "kvserve",
         "root": engine.config.model if engine is not None else None, "parent": None,
         "max_model_len": max_model_len,
     } for name in state.config.served_model_names]
     return base + [{
-        "id": lora.lora_name, "object": "model", "created": 0, "owned_by": "kvserve",
+        "id": lora.lora_name, "object": "model", "created": created, "owned_by": "kvserve",
         "root": lora.lora_path, "parent": state.config.model_name,
         "max_model_len": max_model_len,
     } for lora in state.config.lora_requests]
@@ -207,6 +217,11 @@ def _add_tokenizer_routes(app: FastAPI, state: ServerState, serving: OpenAIServi
         if body.return_token_strs:
             result["token_strs"] = tokenizer.convert_ids_to_tokens(token_ids)
         return JSONResponse(result)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        engine = state.require_engine()
+        return JSONResponse({**engine.tokenizer.info(), "model_max_length": engine.max_model_len})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

@@ -4,12 +4,15 @@ The port is bound before the weights load (probes get 503 "loading" rather
 than a refused connection); a bad ``--model`` still fails at once, because
 the engine configuration is resolved before uvicorn starts (so is each
 ``--lora-modules`` adapter's config; its tensors load with the model).
+With ``--node-rank N`` (N > 0) of a multi-node parallel engine it
+serves nothing and runs that node's worker processes until node 0 stops.
 SIGTERM (or Ctrl-C) drains: ``/ready`` and new requests get 503 while
 in-flight requests run for up to ``--shutdown-timeout`` seconds; the rest are
 aborted with ``finish_reason: "abort"``, then the process exits 0. A second
-signal exits at once. When the engine dies (a forward raised, or one ran past
-``--engine-watchdog-s``) the process exits 1, without waiting for a hung
-engine thread.
+signal aborts them at once (then exits 0 the same way), a third ends the
+process on the spot. When the engine dies (a forward raised, or one ran
+past ``--engine-watchdog-s``) the process exits 1, without waiting for a
+hung engine thread. ``kvserve serve MODEL`` is ``--model MODEL``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve import envs
+from kvserve.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from kvserve.lora.request import LoRARequest
@@ -46,10 +50,13 @@ def add_serve_parser(sub: Any) -> None:
         description="Serve a model over the OpenAI API (/v1/completions, "
                     "/v1/chat/completions, /v1/models) plus /health, /ready, /metrics, "
                     "/tokenize, /detokenize and /version.")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as with --model (vLLM's positional spelling)")
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    group.add_argument("--port", type=int, default=DEFAULT_PORT)
+    group.add_argument("--port", type=int, default=DEFAULT_PORT,
+                       help="port to listen on (default: %(default)s)")
     group.add_argument("--api-key", nargs="+", action="extend", default=None,
                        help="accepted API key(s); default $KVSERVE_API_KEY (comma-separated)."
                             " Only /health, /ready and /metrics stay open")
@@ -64,6 +71,8 @@ def add_serve_parser(sub: Any) -> None:
     group.add_argument("--max-request-body-bytes", type=int,
                        default=DEFAULT_MAX_REQUEST_BODY_BYTES, help="larger bodies get 413")
     group.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="the cap on n")
+    group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="the model's tool-call format, for tool_choice 'auto'")
     group.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                        help="seconds to drain on SIGTERM before aborting what is left")
     group.add_argument("--engine-watchdog-s", type=float, default=DEFAULT_ENGINE_WATCHDOG_S,
@@ -71,9 +80,18 @@ def add_serve_parser(sub: Any) -> None:
     group.add_argument("--health-stall-s", type=float, default=DEFAULT_HEALTH_STALL_S,
                        help="/health and /ready turn 503 when the engine loop has not "
                             "progressed for this long")
-    group.add_argument("--timeout-keep-alive", type=float, default=5.0)
-    group.add_argument("--uvicorn-log-level", default="info")
-    group.add_argument("--disable-access-log", action="store_true")
+    group.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle HTTP connection stays open (default: %(default)s)")
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug", "trace"),
+                       help="uvicorn's log level; info logs one line per HTTP request "
+                            "(default: %(default)s)")
+    group.add_argument("--disable-access-log", action="store_true",
+                       help="no uvicorn line per HTTP request")
+    group.add_argument("--enable-log-requests", action="store_true", dest="log_requests",
+                       help="log each request's prompt length and sampling parameters")
+    group.add_argument("--disable-log-requests", action="store_false", dest="log_requests",
+                       default=False, help="do not log each request (the default; vLLM's spelling)")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run_serve)
 
@@ -92,6 +110,16 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}={value} is invalid: must be >= 0")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} is invalid: must be in [0, 65535]")
+
+
+def _take_model_tag(args: argparse.Namespace) -> None:
+    """``kvserve serve MODEL`` is ``--model MODEL``; giving two different models is an error."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise ValueError(f"the model is given twice: '{args.model_tag}' and --model "
+                         f"'{args.model}'; give it once")
+    args.model = args.model_tag
 
 
 def parse_lora_modules(args: argparse.Namespace, served_names: list[str]) -> list[LoRARequest]:
@@ -131,8 +159,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.server.state import DrainingServer, ServerConfig, ServerState
 
     _check_args(args)
+    _take_model_tag(args)
     engine_args = EngineArgs.from_cli_args(args)
     engine_config = engine_args.create_engine_config()  # a bad --model fails here, exit 2
+    if engine_config.parallel_config.node_rank > 0:  # a worker node of a multi-node engine
+        from kvserve.engine.engine_core import run_worker_node
+
+        return run_worker_node(engine_config)
     faults = envs.fault_injection()
     watchdog_s = args.engine_watchdog_s or None
     served_names = args.served_model_name or [args.model or DEFAULT_MODEL]
@@ -144,7 +177,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         max_n=args.max_n, health_stall_s=args.health_stall_s,
-        shutdown_timeout_s=args.shutdown_timeout,
+        shutdown_timeout_s=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
     )
 
     def load() -> Any:
@@ -158,7 +191,8 @@ def run_serve(args: argparse.Namespace) -> int:
             engine.add_lora(lora_request)
         inject_faults(engine.core.executor, faults)
         freeze_startup_heap()
-        return engine, ThreadedEngineClient(engine, watchdog_s=watchdog_s)
+        return engine, ThreadedEngineClient(engine, watchdog_s=watchdog_s,
+                                            log_requests=args.log_requests)
 
     logging.getLogger("kvserve").setLevel(
         min(logging.getLogger("kvserve").getEffectiveLevel(), logging.INFO))
@@ -173,7 +207,10 @@ def run_serve(args: argparse.Namespace) -> int:
                 args.port, engine_config.model)
     server.run()
     if state.exit_code:
-        # the engine thread may be stuck in a forward that never returns
+        # the engine thread may be stuck in a forward that never returns; worker
+        # processes (tensor / pipeline parallelism) are killed, not waited for
+        if state.engine is not None:
+            state.engine.core.shutdown(kill=True)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

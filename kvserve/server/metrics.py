@@ -1,14 +1,19 @@
 """Prometheus metrics of the server: ``kvserve:`` names, label ``model_name``.
 
-Two sources feed one registry (per server, so tests can build many):
+Three sources feed one registry (per server, so tests can build many):
 
 - engine state, read from ``EngineClient.stats()`` at scrape time by
   ``EngineStatsCollector`` (running / waiting requests, KV usage, prefix-cache
-  queries and hits, preemptions);
+  queries and hits, preemptions; with speculative decoding vLLM's
+  ``spec_decode_*`` counters: verifications, proposed and accepted tokens,
+  accepted tokens per proposal position);
 - per-request timings and counts, observed by the HTTP layer as outputs
   arrive (``RequestTimer``): TTFT, inter-token latency, end-to-end latency,
   queue time, prompt and generation tokens, finished requests by reason,
-  admission rejections by reason.
+  admission rejections by reason;
+- the process and the interpreter, by prometheus_client's standard
+  collectors (``process_*``: CPU seconds, resident memory, open files;
+  ``python_*``: version, garbage collections), without the prefix.
 
 Bucket boundaries live here and nowhere else.
 """
@@ -20,6 +25,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Histogram,
@@ -65,17 +73,38 @@ class EngineStatsCollector(Collector):
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], float(stats.get(key, 0)))
             yield gauge
-        counters = (
+        counters: tuple[tuple[str, str, str], ...] = (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
              "prefix_cache_queries"),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              "prefix_cache_hits"),
             ("num_preemptions", "Requests preempted for lack of KV blocks.", "num_preemptions"),
         )
+        if "spec_decode_num_drafts" in stats:
+            counters += SPEC_DECODE_COUNTERS
         for name, doc, key in counters:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], float(stats.get(key, 0)))
             yield counter
+        per_position = stats.get("spec_decode_num_accepted_tokens_per_pos")
+        if per_position is not None:
+            counter = CounterMetricFamily(
+                PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                "Verifications whose proposals up to this position were all accepted.",
+                labels=["model_name", "position"])
+            for position, value in enumerate(per_position):
+                counter.add_metric([self.model_name, str(position)], float(value))
+            yield counter
+
+
+SPEC_DECODE_COUNTERS = (
+    ("spec_decode_num_drafts", "Verifications of proposals (one request, one step).",
+     "spec_decode_num_drafts"),
+    ("spec_decode_num_draft_tokens", "Proposed tokens verified.",
+     "spec_decode_num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+     "spec_decode_num_accepted_tokens"),
+)
 
 
 class ServerMetrics:
@@ -86,6 +115,8 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(model_name, stats))
+        for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(standard)
         labels = ["model_name"]
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:

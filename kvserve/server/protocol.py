@@ -5,21 +5,33 @@ Requests are parsed by the server itself (``APIRequest.parse``), never by
 FastAPI's body injection, so a bad body is always a 400 with the OpenAI
 envelope ``{"error": {"message", "type", "param", "code"}}``, never a 422.
 Field names and defaults are OpenAI's and vLLM's. Fields that would change
-the meaning of a request but that kvserve does not implement (tools, JSON
-mode, logit bias, ``suffix``, ``echo`` with logprobs) are rejected with a 400
-instead of being silently ignored; unknown fields are ignored, as vLLM does.
-Responses are built as plain dicts in ``serving.py``.
+the meaning of a request but that kvserve does not implement (``suffix``,
+``best_of`` other than ``n``) are rejected with a 400 instead of being
+silently ignored; unknown fields are ignored, as vLLM does. An explicit
+``null`` means "the default" for every field (OpenAI's spec allows ``null``
+for its optional fields, and clients send it for unset ones); the JSON
+schema says so. Responses are built as plain dicts in ``serving.py``.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue, WithJsonSchema
+from pydantic_core import CoreSchema
 
-from kvserve.core.sampling_params import MAX_LOGPROBS
+from kvserve.core.structured_output import StructuredOutputParams
 
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS_PER_REQUEST = 128
@@ -41,25 +53,33 @@ ERROR_TYPES = {
 INTERNAL_ERROR_MESSAGE = "The server had an error while processing your request."
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI error envelope (vLLM's type names, numeric ``code``)."""
+# OpenAI's error codes (a string or null) where OpenAI has one for the case
+ERROR_CODES = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large",
+               503: "service_unavailable"}
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error envelope: vLLM's type names; ``code`` a string or
+    null as OpenAI types it (the HTTP status is the response's own)."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"),
-                      "param": param, "code": status}}
+                      "param": param, "code": code or ERROR_CODES.get(status)}}
 
 
 class APIError(Exception):
     """An error to send as an HTTP status with the OpenAI envelope."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.headers = dict(headers or {})
+        self.code = code
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.param)
+        return error_body(self.status, self.message, self.param, self.code)
 
 
 def _short(value: Any) -> str:
@@ -92,6 +112,13 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(400, "; ".join(lines) or "invalid request body", param)
 
 
+def _defaulted(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` with a default other than None."""
+    return frozenset(name for name, info in model.model_fields.items()
+                     if not info.is_required() and info.get_default(call_default_factory=True)
+                     is not None)
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -108,9 +135,33 @@ RequestT = TypeVar("RequestT", bound="APIRequest")
 
 
 class APIRequest(BaseModel):
-    """Base of the request models: unknown fields ignored, NaN and inf rejected."""
+    """Base of the request models: unknown fields ignored, NaN and inf
+    rejected, ``null`` taken as the field's default."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items()
+                    if value is not None or key not in _defaulted(cls)}
+        return data
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        properties = schema.get("properties", {})
+        for name in _defaulted(cls):
+            prop = properties.get(name)
+            if prop is None:
+                continue
+            kept = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+            options = prop.pop("anyOf", None) or [prop]
+            properties[name] = {"anyOf": [*options, {"type": "null"}], **kept}
+        return schema
 
     @classmethod
     def parse(cls: type[RequestT], body: bytes) -> RequestT:
@@ -128,6 +179,36 @@ class StreamOptions(APIRequest):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(APIRequest):
+    """``response_format.json_schema``: the output always matches ``schema``
+    (``strict`` or not, as in vLLM)."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(APIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(APIRequest):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+# vLLM's older request fields for the same, each one kind
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
 class SamplingRequest(APIRequest):
     """Fields shared by completions and chat completions."""
 
@@ -141,7 +222,9 @@ class SamplingRequest(APIRequest):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     n: int = Field(1, ge=1)
-    stop: list[str] | None = None
+    stop: Annotated[list[str] | None, WithJsonSchema(
+        {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                   {"type": "null"}]})] = None
     stop_token_ids: list[int] | None = None
     seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -154,8 +237,16 @@ class SamplingRequest(APIRequest):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # token id (as a string, JSON keys are strings) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
     priority: int = 0
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -170,6 +261,21 @@ class SamplingRequest(APIRequest):
                              f"got {len(stops)}")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"key {key!r} is not a token id: keys must be integers >= 0")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {key} is {bias}: must be in [-100, 100]")
+        return value
+
+    @property
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids."""
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+
     @field_validator("stop_token_ids")
     @classmethod
     def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
@@ -182,8 +288,39 @@ class SamplingRequest(APIRequest):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true",
                            "stream_options")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by kvserve", "logit_bias")
+
+    def structured_output(self) -> tuple[StructuredOutputParams, str] | None:
+        """What the output must match and the field that asked for it (400
+        naming the field when it is malformed or given twice)."""
+        given: list[tuple[dict[str, Any], str]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append((self._response_format_spec(), "response_format"))
+        if self.structured_outputs is not None:
+            given.append((self.structured_outputs.model_dump(by_alias=True, exclude_none=True),
+                          "structured_outputs"))
+        for name, kind in GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                given.append(({kind: getattr(self, name)}, name))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(400, "give only one of " + ", ".join(p for _, p in given)
+                           + ": each constrains the whole output", given[1][1])
+        spec, param = given[0]
+        try:
+            return StructuredOutputParams(**spec), param
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, f"{param}: {exc}", param) from None
+
+    def _response_format_spec(self) -> dict[str, Any]:
+        assert self.response_format is not None
+        if self.response_format.type == "json_object":
+            return {"json_object": True}
+        json_schema = self.response_format.json_schema
+        if json_schema is None or json_schema.schema_ is None:
+            raise APIError(400, "response_format.json_schema.schema: a json_schema response "
+                           "format needs a schema", "response_format.json_schema")
+        return {"json": json_schema.schema_}
 
     @property
     def include_usage(self) -> bool:
@@ -202,8 +339,13 @@ class CompletionRequest(SamplingRequest):
 
     default_max_tokens: ClassVar[int | None] = 16
 
-    prompt: list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: Annotated[list[str] | list[list[int]], WithJsonSchema({"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}},
+        {"type": "array", "items": {"type": "integer"}},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]})]
+    # 0 only with echo: the prompt (and its logprobs) back, nothing generated
+    max_tokens: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0)  # the engine's --max-logprobs decides
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
@@ -237,21 +379,54 @@ class CompletionRequest(SamplingRequest):
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, f"best_of={self.best_of} is invalid: kvserve supports only "
                            f"best_of equal to n ({self.n})", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo=true with logprobs needs prompt logprobs, which "
-                           "kvserve does not compute yet", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens=0 is invalid without echo=true: must be >= 1",
+                           "max_tokens")
+
+    @property
+    def echo_only(self) -> bool:
+        """True for ``max_tokens: 0`` with echo: score the prompt, generate nothing."""
+        return self.echo and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        # echo only: the engine samples the one token that ends its prefill
+        # (no extra forward), and the response leaves it out
+        return 1 if self.echo_only else super().requested_max_tokens()
 
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class FunctionCall(APIRequest):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(APIRequest):
+    """A call an assistant message made (in the history a client sends back)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(APIRequest):
-    """One chat message; content may be a string or a list of text parts."""
+    """One chat message; content may be a string or a list of text parts.
+    ``developer`` is OpenAI's new name for ``system`` and reaches the chat
+    template as ``system``; ``tool`` messages answer an assistant's
+    ``tool_calls`` (``tool_call_id`` names the call)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None = None
+    content: Annotated[str | None, WithJsonSchema({"anyOf": [
+        {"type": "string"}, {"type": "null"},
+        {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                    "properties": {"type": {"const": "text"},
+                                                   "text": {"type": "string"}}}}]})] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -270,10 +445,49 @@ class ChatMessage(APIRequest):
         return "".join(texts)
 
     def to_template(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        """The message as HF chat templates read it: a tool call's arguments
+        as a dict (templates write them with ``tojson``), as vLLM passes them."""
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": self.content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{
+                "id": call.id, "type": "function",
+                "function": {"name": call.function.name,
+                             "arguments": _json_or_text(call.function.arguments)},
+            } for call in self.tool_calls]
         return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(APIRequest):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(APIRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(APIRequest):
+    name: str
+
+
+class NamedToolChoice(APIRequest):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -282,10 +496,12 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0)  # the engine's --max-logprobs decides
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # the deprecated spelling of tools: refused rather than ignored
+    functions: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -293,12 +509,31 @@ class ChatCompletionRequest(SamplingRequest):
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        if self.tools:
-            raise APIError(400, "tools are not supported by kvserve", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, f"response_format type "
-                           f"'{self.response_format.get('type')}' is not supported by "
-                           "kvserve (only 'text')", "response_format")
+        if self.functions is not None:
+            raise APIError(400, "functions is deprecated and not supported: send tools",
+                           "functions")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise APIError(400, "tool_choice 'required' or a named function needs tools",
+                           "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                tool.function.name for tool in self.tools or []}:
+            raise APIError(400, f"tool_choice names function '{choice.function.name}', "
+                           "which is not in tools", "tool_choice")
+
+    @property
+    def tool_mode(self) -> tuple[str, str | None] | None:
+        """("auto" | "required" | "named", the named function) when the
+        output may hold tool calls; None without tools or with "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named", self.tool_choice.function.name
+        return ("required" if self.tool_choice == "required" else "auto"), None
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools as the chat template and the schema builder read them."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:

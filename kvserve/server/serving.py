@@ -36,9 +36,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.structured_output import StructuredOutputParams
 from kvserve.engine.client import EngineDeadError
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.lora.request import LoRARequest
 from kvserve.server.metrics import RequestTimer
 from kvserve.server.protocol import (
@@ -49,6 +50,7 @@ from kvserve.server.protocol import (
     SamplingRequest,
 )
 from kvserve.server.state import ServerState, Ticket
+from kvserve.server.tool_parsers import ToolCalling, forced_calls_schema, get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +170,7 @@ class SSEResponse(StreamingResponse):
 class PromptInput:
     token_ids: list[int]
     text: str | None = None  # for echo
+    first_token_text: str = ""  # for echo with logprobs (the first token has no logprob)
 
 
 @dataclass
@@ -183,9 +186,12 @@ class Job:
     body: SamplingRequest
     timer: RequestTimer
     echo: bool = False
+    echo_only: bool = False  # echo with max_tokens 0: the one token sampled is left out
     # top logprobs per token (0 = only the sampled one); None = no logprobs
     top_logprobs: int | None = None
     lora_request: LoRARequest | None = None  # the adapter "model" named, if any
+    structured_param: str | None = None  # the field that asked for structured output
+    tools: ToolCalling | None = None  # chat with tools (tool_choice not "none")
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -199,7 +205,7 @@ class Job:
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         payload: dict[str, Any] = {
             "id": self.request_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -210,9 +216,44 @@ class Job:
         return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def usage_dict(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+def usage_dict(num_prompt_tokens: int, num_completion_tokens: int,
+               num_cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens read from the prefix cache."""
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+def echo_logprobs(prompt: PromptInput, output: RequestOutput) -> dict[str, Any]:
+    """The completions-API logprobs of the prompt (echo): the first token has
+    none (``null``), each later one its logprob and the top ones."""
+    entries = output.prompt_logprobs
+    if entries is None or len(entries) != len(prompt.token_ids):
+        raise RuntimeError(f"{output.request_id}: the prompt's logprobs are missing")
+    result: dict[str, list[Any]] = {"tokens": [prompt.first_token_text],
+                                    "token_logprobs": [None], "top_logprobs": [None],
+                                    "text_offset": [0]}
+    text_offset = len(prompt.first_token_text)
+    for token_id, entry in zip(prompt.token_ids[1:], entries[1:]):
+        assert entry is not None
+        _add_token(result, entry, token_id, text_offset)
+        text_offset += len(result["tokens"][-1])
+    return result
+
+
+def _add_token(result: dict[str, list[Any]], entry: dict[int, Logprob], token_id: int,
+               text_offset: int) -> None:
+    chosen = entry.get(token_id)
+    result["tokens"].append((chosen.decoded_token if chosen else None) or "")
+    result["token_logprobs"].append(chosen.logprob if chosen else None)
+    ranked = sorted(entry.values(), key=lambda lp: lp.rank)
+    result["top_logprobs"].append({(lp.decoded_token or ""): lp.logprob for lp in ranked})
+    result["text_offset"].append(text_offset)
+
+
+def join_logprobs(first: dict[str, list[Any]], second: dict[str, list[Any]]) -> dict[str, Any]:
+    """Two completions-API logprobs objects as one (the prompt's, then the output's)."""
+    return {key: first[key] + second[key] for key in first}
 
 
 def completion_logprobs(completion: CompletionOutput, start: int,
@@ -222,14 +263,8 @@ def completion_logprobs(completion: CompletionOutput, start: int,
                                     "text_offset": []}
     entries = completion.logprobs or []
     for token_id, entry in zip(completion.token_ids[start:], entries[start:]):
-        sampled = entry.get(token_id)
-        text = (sampled.decoded_token if sampled else None) or ""
-        result["tokens"].append(text)
-        result["token_logprobs"].append(sampled.logprob if sampled else None)
-        ranked = sorted(entry.values(), key=lambda lp: lp.rank)
-        result["top_logprobs"].append({(lp.decoded_token or ""): lp.logprob for lp in ranked})
-        result["text_offset"].append(text_offset)
-        text_offset += len(text)
+        _add_token(result, entry, token_id, text_offset)
+        text_offset += len(result["tokens"][-1])
     return result
 
 
@@ -260,25 +295,46 @@ def final_response(job: Job, outputs: dict[int, RequestOutput]) -> dict[str, Any
         for completion in output.outputs:
             choice: dict[str, Any] = {"index": job.choice_index(prompt_index, completion.index)}
             logprobs = None
+            finish_reason = completion.finish_reason
             if job.chat:
-                choice["message"] = {"role": "assistant", "content": completion.text}
+                choice["message"] = {"role": "assistant", "content": completion.text,
+                                     "refusal": None}
+                if job.tools is not None:
+                    content, calls = job.tools.extract(completion.text)
+                    choice["message"]["content"] = content
+                    if calls:
+                        choice["message"]["tool_calls"] = [c.to_openai() for c in calls]
+                    finish_reason = job.tools.finish_reason(finish_reason, calls)
                 if job.top_logprobs is not None:
                     logprobs = chat_logprobs(completion, 0, job.top_logprobs)
             else:
                 echo = (prompt.text or "") if job.echo else ""
-                choice["text"] = echo + completion.text
+                choice["text"] = echo + ("" if job.echo_only else completion.text)
                 if job.top_logprobs is not None:
-                    logprobs = completion_logprobs(completion, 0, len(echo))
-            choice.update(logprobs=logprobs, finish_reason=completion.finish_reason,
+                    logprobs = _text_logprobs(job, prompt, output, completion, len(echo))
+            choice.update(logprobs=logprobs, finish_reason=finish_reason,
                           stop_reason=completion.stop_reason)
+            if job.echo_only:
+                choice.update(finish_reason="length", stop_reason=None)
             choices.append(choice)
     choices.sort(key=lambda c: c["index"])
-    num_generated = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
+    num_generated = (0 if job.echo_only else
+                     sum(len(c.token_ids) for o in outputs.values() for c in o.outputs))
     return {
         "id": job.request_id, "object": "chat.completion" if job.chat else "text_completion",
         "created": job.created, "model": job.model, "choices": choices,
-        "usage": usage_dict(sum(len(p.token_ids) for p in job.prompts), num_generated),
+        "usage": usage_dict(sum(len(p.token_ids) for p in job.prompts), num_generated,
+                            sum(o.num_cached_tokens for o in outputs.values())),
     }
+
+
+def _text_logprobs(job: Job, prompt: PromptInput, output: RequestOutput,
+                   completion: CompletionOutput, text_offset: int) -> dict[str, Any]:
+    """A whole completions-API choice's logprobs: the prompt's with echo, then
+    the generated tokens' (none with ``echo_only``)."""
+    generated = completion_logprobs(completion, len(completion.token_ids) if job.echo_only
+                                    else 0, text_offset)
+    return join_logprobs(echo_logprobs(prompt, output), generated) if job.echo else generated
 
 
 @dataclass
@@ -286,7 +342,9 @@ class _ChoiceState:
     num_tokens: int = 0
     num_sent_logprobs: int = 0
     text_offset: int = 0
+    echoed: bool = False
     finished: bool = False
+    num_sent_chars: int = 0  # chat with tools: content characters sent
 
 
 class StreamWriter:
@@ -295,39 +353,58 @@ class StreamWriter:
     def __init__(self, job: Job) -> None:
         self.job = job
         self.choices = [_ChoiceState() for _ in range(job.num_choices)]
+        self.num_cached_tokens: dict[int, int] = {}  # per prompt index
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return usage_dict(sum(len(p.token_ids) for p in self.job.prompts),
-                          sum(c.num_tokens for c in self.choices))
+                          0 if self.job.echo_only else sum(c.num_tokens for c in self.choices),
+                          sum(self.num_cached_tokens.values()))
 
     def opening(self) -> list[str]:
-        """Chat: one ``delta.role`` chunk per choice; completions with echo: the prompt."""
-        job, frames = self.job, []
-        for index in range(job.num_choices):
-            if job.chat:
-                choice = {"index": index, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}
-            elif job.echo:
-                text = job.prompts[index // job.n].text or ""
-                self.choices[index].text_offset = len(text)
-                choice = {"index": index, "text": text, "logprobs": None,
-                          "finish_reason": None}
-            else:
-                continue
-            frames.append(job.chunk([choice], self._continuous_usage()))
-        return frames
+        """Chat: one ``delta.role`` chunk per choice (completions echo their
+        prompt with their first output, which brings the prompt's logprobs)."""
+        job = self.job
+        if not job.chat:
+            return []
+        return [job.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}],
+                          self._continuous_usage())
+                for index in range(job.num_choices)]
 
-    def _continuous_usage(self) -> dict[str, int] | None:
+    def _echo(self, index: int, prompt_index: int, output: RequestOutput) -> str:
+        """The chunk echoing a completions choice's prompt (with its logprobs)."""
+        prompt = self.job.prompts[prompt_index]
+        text = prompt.text or ""
+        state = self.choices[index]
+        state.echoed, state.text_offset = True, len(text)
+        logprobs = echo_logprobs(prompt, output) if self.job.top_logprobs is not None else None
+        return self.job.chunk([{"index": index, "text": text, "logprobs": logprobs,
+                                "finish_reason": None}], self._continuous_usage())
+
+    def _continuous_usage(self) -> dict[str, Any] | None:
         return self.usage() if self.job.body.continuous_usage else None
 
     def frames(self, prompt_index: int, output: RequestOutput) -> list[str]:
         frames = []
+        self.num_cached_tokens[prompt_index] = output.num_cached_tokens
         for completion in output.outputs:
             index = self.job.choice_index(prompt_index, completion.index)
             state = self.choices[index]
             if state.finished:
                 continue
+            if self.job.echo and not state.echoed:
+                frames.append(self._echo(index, prompt_index, output))
+            if self.job.echo_only:
+                if completion.finish_reason is not None:
+                    state.finished = True
+                    frames.append(self.job.chunk([{
+                        "index": index, "text": "", "logprobs": None, "finish_reason": "length",
+                        "stop_reason": None}], self._continuous_usage()))
+                continue
             state.num_tokens = len(completion.token_ids)
+            if self.job.tools is not None:
+                frames += self._tool_frames(index, completion, state)
+                continue
             finishing = completion.finish_reason is not None
             wants_logprobs = (self.job.top_logprobs is not None
                               and state.num_tokens > state.num_sent_logprobs)
@@ -337,6 +414,37 @@ class StreamWriter:
             state.finished = finishing
             frames.append(self.job.chunk([choice], self._continuous_usage()))
         return frames
+
+    def _tool_frames(self, index: int, completion: CompletionOutput,
+                     state: _ChoiceState) -> list[str]:
+        """A chat choice with tools: content while it cannot be a call, the
+        calls when the output ends (each: its id, type and name with empty
+        arguments, then the arguments, as OpenAI streams them)."""
+        tools, text = self.job.tools, completion.text
+        assert tools is not None
+        choices: list[dict[str, Any]] = []
+        if completion.finish_reason is None:
+            end = tools.streamable(text)
+            if end > state.num_sent_chars:
+                choices.append({"delta": {"content": text[state.num_sent_chars:end]}})
+                state.num_sent_chars = end
+        else:
+            state.finished = True
+            content, calls = tools.extract(text)
+            rest = (content or "")[state.num_sent_chars:] if calls else text[
+                state.num_sent_chars:]
+            if rest:
+                choices.append({"delta": {"content": rest}})
+            for i, call in enumerate(calls):
+                choices.append({"delta": {"tool_calls": [{
+                    "index": i, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}]}})
+                choices.append({"delta": {"tool_calls": [{
+                    "index": i, "function": {"arguments": call.arguments}}]}})
+            choices.append({"delta": {}, "finish_reason": tools.finish_reason(
+                completion.finish_reason, calls), "stop_reason": completion.stop_reason})
+        return [self.job.chunk([{"index": index, "logprobs": None, "finish_reason": None,
+                                 **choice}], self._continuous_usage()) for choice in choices]
 
     def _choice(self, index: int, completion: CompletionOutput,
                 state: _ChoiceState) -> dict[str, Any]:
@@ -368,7 +476,20 @@ def _error_param(exc: ValueError, body: SamplingRequest, prompt_param: str) -> s
         return prompt_param
     if name == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
         return "max_completion_tokens"
+    if name == "logprobs" and "top_logprobs" in type(body).model_fields:
+        return "top_logprobs"  # a chat request's count; its logprobs is a flag
     return name if name in type(body).model_fields else None
+
+
+def _bad_request(exc: ValueError, body: SamplingRequest, prompt_param: str) -> APIError:
+    """A 400 for a ValueError from the engine or ``SamplingParams``, spelled
+    with the request's field name."""
+    param = _error_param(exc, body, prompt_param)
+    message = str(exc)
+    match = _FIELD_RE.match(message)
+    if param is not None and match is not None and match.group(1) not in (param, "prompt"):
+        message = param + message[match.end():]
+    return APIError(400, message, param)
 
 
 class OpenAIServing:
@@ -386,7 +507,7 @@ class OpenAIServing:
             return names[0] if model is None else model
         served = [*names, *(lora.lora_name for lora in config.lora_requests)]
         raise APIError(404, f"The model `{model}` does not exist. Served: "
-                       f"{', '.join(served)}.", "model")
+                       f"{', '.join(served)}.", "model", code="model_not_found")
 
     async def completions(self, request: Request) -> Response:
         body = CompletionRequest.parse(
@@ -396,7 +517,8 @@ class OpenAIServing:
         engine = self.state.require_engine()
         prompts = [self._completion_prompt(engine, body, prompt) for prompt in body.prompt]
         job = self._job(engine, body, prompts, model, chat=False, top_logprobs=body.logprobs)
-        job.echo = body.echo
+        job.echo, job.echo_only = body.echo, body.echo_only
+        await self._compile_grammar(engine, job)
         return await self._serve(request, job)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -408,6 +530,8 @@ class OpenAIServing:
         prompt = self._chat_prompt(engine, body)
         job = self._job(engine, body, [prompt], model, chat=True,
                         top_logprobs=body.num_top_logprobs)
+        self._tool_calling(body, job)
+        await self._compile_grammar(engine, job)
         return await self._serve(request, job)
 
     # ------------------------------------------------------------ preparing
@@ -426,23 +550,28 @@ class OpenAIServing:
             text, token_ids = engine.tokenize_prompt(prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from None
-        if body.echo and text is None:
+        if not body.echo:
+            return PromptInput(token_ids, text)
+        if text is None:
             text = engine.tokenizer.decode(token_ids)
-        return PromptInput(token_ids, text)
+        return PromptInput(token_ids, text, engine.tokenizer.decode(token_ids[:1]))
 
     def _chat_prompt(self, engine: LLMEngine, body: ChatCompletionRequest) -> PromptInput:
         self._check_chars(engine, sum(len(m.content or "") for m in body.messages), "messages")
         messages = [m.to_template() for m in body.messages]
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:
+            kwargs["tools"] = body.tool_dicts()
         try:
             token_ids = engine.tokenizer.apply_chat_template(
-                messages, body.add_generation_prompt, body.chat_template_kwargs)
+                messages, body.add_generation_prompt, kwargs)
         except Exception as exc:
             raise APIError(400, f"the chat template could not render these messages: "
                            f"{str(exc)[:200]}", "messages") from None
         return PromptInput(token_ids)
 
     def _sampling_params(self, body: SamplingRequest, top_logprobs: int | None,
-                         prompt_param: str) -> SamplingParams:
+                         prompt_param: str, prompt_logprobs: int | None) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
@@ -455,11 +584,13 @@ class OpenAIServing:
                 repetition_penalty=pick(body.repetition_penalty, 1.0), seed=body.seed,
                 stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                 max_tokens=body.requested_max_tokens(), min_tokens=body.min_tokens,
-                logprobs=top_logprobs, skip_special_tokens=body.skip_special_tokens,
+                logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
+                logit_bias=body.token_logit_bias,
             )
         except ValueError as exc:
-            raise APIError(400, str(exc), _error_param(exc, body, prompt_param)) from None
+            raise _bad_request(exc, body, prompt_param) from None
 
     def _job(self, engine: LLMEngine, body: SamplingRequest, prompts: list[PromptInput],
              model: str, chat: bool, top_logprobs: int | None) -> Job:
@@ -467,18 +598,60 @@ class OpenAIServing:
         if body.n > max_n:
             raise APIError(400, f"n={body.n} is invalid: must be <= {max_n} on this server", "n")
         prompt_param = "messages" if chat else "prompt"
-        base = self._sampling_params(body, top_logprobs, prompt_param)
+        echo = isinstance(body, CompletionRequest) and body.echo
+        base = self._sampling_params(body, top_logprobs, prompt_param,
+                                     top_logprobs if echo else None)
+        structured = body.structured_output()
+        if structured is not None:
+            base.structured_output = structured[0]
         params = []
         for prompt in prompts:
             try:
                 params.append(engine.resolve_params(len(prompt.token_ids), base))
             except ValueError as exc:
-                raise APIError(400, str(exc), _error_param(exc, body, prompt_param)) from None
+                raise _bad_request(exc, body, prompt_param) from None
         prefix = "chatcmpl" if chat else "cmpl"
         return Job(chat=chat, request_id=f"{prefix}-{uuid.uuid4().hex}", model=model,
                    prompts=prompts, params=params, n=body.n, body=body,
                    timer=self.state.metrics.timer(len(prompts) * body.n),
-                   top_logprobs=top_logprobs, lora_request=self.state.config.lora_request(model))
+                   top_logprobs=top_logprobs, lora_request=self.state.config.lora_request(model),
+                   structured_param=structured[1] if structured is not None else None)
+
+    def _tool_calling(self, body: ChatCompletionRequest, job: Job) -> None:
+        """Set up the job's tool calls: "required" and named functions
+        generate under a JSON schema (so the arguments always parse), "auto"
+        parses with the server's --tool-call-parser."""
+        mode = body.tool_mode
+        if mode is None:
+            return
+        kind, name = mode
+        parser = None
+        if kind == "auto":
+            if self.state.config.tool_call_parser is None:
+                raise APIError(400, "tool_choice 'auto' needs the server started with "
+                               "--tool-call-parser (hermes, llama3_json, mistral); "
+                               "'required' and named functions work without", "tool_choice")
+            parser = get_tool_parser(self.state.config.tool_call_parser)
+        elif job.structured_param is not None:
+            raise APIError(400, f"tool_choice '{kind}' constrains the output itself: drop "
+                           f"{job.structured_param}", "tool_choice")
+        else:
+            schema = forced_calls_schema(body.tool_dicts(), name, body.parallel_tool_calls)
+            for params in job.params:
+                params.structured_output = StructuredOutputParams(json=schema)
+            job.structured_param = "tools"
+        job.tools = ToolCalling(kind, name, parser, body.parallel_tool_calls)
+
+    async def _compile_grammar(self, engine: LLMEngine, job: Job) -> None:
+        """Compile the job's grammar in a worker thread (not on the event loop
+        or the engine's step loop; cached), or 400 naming the field."""
+        if job.structured_param is None:
+            return
+        try:
+            compiled = await asyncio.to_thread(engine.compile_grammar, job.params[0])
+        except ValueError as exc:
+            raise APIError(400, f"{job.structured_param}: {exc}", job.structured_param) from None
+        job.params = [params.with_grammar(compiled.grammar) for params in job.params]
 
     # ------------------------------------------------------------ serving
 
@@ -553,8 +726,7 @@ class OpenAIServing:
         if isinstance(exc, APIError):
             return exc
         if isinstance(exc, ValueError):
-            return APIError(400, str(exc), _error_param(exc, job.body,
-                                                        "messages" if job.chat else "prompt"))
+            return _bad_request(exc, job.body, "messages" if job.chat else "prompt")
         if isinstance(exc, EngineDeadError):
             logger.error("%s failed: %s", job.request_id, exc)
         else:

@@ -11,15 +11,19 @@
   client's watchdog gave up on a hung one) it lets the in-flight responses
   carry their errors out, keeps ``/health`` at 503 for a moment so probes
   see it, then asks the process to exit non-zero;
-- draining on SIGTERM (``DrainingServer`` routes uvicorn's signals here):
-  refuse new work (503), wait for in-flight requests up to
-  ``shutdown_timeout_s``, abort the rest (``finish_reason: "abort"``), exit.
+- draining on SIGTERM or Ctrl-C (``DrainingServer`` routes uvicorn's signals
+  here): refuse new work (503), wait for in-flight requests up to
+  ``shutdown_timeout_s``, abort the rest (``finish_reason: "abort"``), exit 0.
+  A second signal aborts them at once, then exits the same way (uvicorn's
+  own forced exit would cancel the tasks mid-response and log their
+  tracebacks); a third ends the process on the spot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -46,6 +50,8 @@ FAILURE_FLUSH_S = 5.0
 FAILURE_LINGER_S = 1.0
 # after draining aborts the leftovers: the longest wait for their responses
 ABORT_FLUSH_S = 5.0
+# the exit status when repeated signals end the process on the spot
+EXIT_SIGNALLED = 130
 
 Loader = Callable[[], "tuple[LLMEngine, EngineClient]"]
 
@@ -65,6 +71,8 @@ class ServerConfig:
     retry_after_s: int = 1
     # LoRA adapters a request selects by naming one in "model" (--lora-modules)
     lora_requests: list[LoRARequest] = field(default_factory=list)
+    # the tool-call format "auto" tool_choice parses (--tool-call-parser); None: refused
+    tool_call_parser: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -165,8 +173,10 @@ class ServerState:
         threading.Thread(target=load, name="kvserve-load", daemon=True).start()
         try:
             self.engine, self.client = await done
-        except Exception:
-            logger.exception("loading the model failed")
+        except Exception as exc:
+            logger.debug("the traceback of the loading failure below", exc_info=exc)
+            logger.error("loading the model failed: %s", " ".join(str(exc).split())
+                         or type(exc).__name__)
             self._exit(1)
             return
         logger.info("model loaded; serving %s", ", ".join(self.config.served_model_names))
@@ -191,24 +201,31 @@ class ServerState:
         self.request_exit()
 
     def begin_drain(self) -> None:
-        """SIGTERM: stop admitting, drain, abort the rest, exit (a second call exits now)."""
+        """SIGTERM: stop admitting, drain, abort the rest, exit (a second call
+        aborts what is in flight now)."""
         if self.draining:
-            self._exit(0)
+            self._spawn(self._abort_in_flight("a second signal"))
             return
         self.draining = True
-        logger.warning("draining: %d request(s) in flight, up to %.1f s",
-                       len(self.admission.tickets), self.config.shutdown_timeout_s)
+        logger.warning("draining: %d request(s) in flight, up to %.1f s (a second Ctrl-C or "
+                       "SIGTERM aborts them now)", len(self.admission.tickets),
+                       self.config.shutdown_timeout_s)
         self._spawn(self._drain())
 
     async def _drain(self) -> None:
         if not await self.admission.wait_empty(self.config.shutdown_timeout_s):
-            logger.warning("shutdown timeout: aborting %d request(s)",
-                           len(self.admission.tickets))
-            for ticket in list(self.admission.tickets.values()):
-                for request_id in ticket.engine_request_ids:
-                    if self.client is not None:
-                        await self.client.abort(request_id)
-            await self.admission.wait_empty(ABORT_FLUSH_S)
+            await self._abort_in_flight("shutdown timeout")
+        self._exit(0)
+
+    async def _abort_in_flight(self, why: str) -> None:
+        """Abort every admitted request, give their responses a moment to end, exit 0."""
+        if self.admission.tickets:
+            logger.warning("%s: aborting %d request(s)", why, len(self.admission.tickets))
+        for ticket in list(self.admission.tickets.values()):
+            for request_id in ticket.engine_request_ids:
+                if self.client is not None:
+                    await self.client.abort(request_id)
+        await self.admission.wait_empty(ABORT_FLUSH_S)
         self._exit(0)
 
     # ------------------------------------------------------------ checks
@@ -261,7 +278,7 @@ class ServerState:
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with SIGTERM / SIGINT routed to ``ServerState.begin_drain``
     (uvicorn's own handler would stop at once and re-raise the signal, making a
-    clean shutdown exit with a non-zero status)."""
+    clean shutdown exit with a non-zero status). The third signal exits at once."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
@@ -271,9 +288,12 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._num_signals += 1
         loop = self.kvserve_state.loop
-        if self._num_signals > 1 or loop is None or not self.started:
+        if self._num_signals > 2 or (self._num_signals > 1 and not self.started):
+            logger.warning("exiting now, without waiting for anything")
+            logging.shutdown()
+            os._exit(EXIT_SIGNALLED)
+        if loop is None or not self.started:
             self.should_exit = True
-            self.force_exit = self._num_signals > 1
             return
         loop.call_soon_threadsafe(self.kvserve_state.begin_drain)
 

@@ -9,7 +9,8 @@ and share one memory pool, captured from the largest down, so together they
 take about as much memory as the largest.
 
 - Decode graphs run the model, the logits matmul and the greedy argmax
-  (the sampler's, for a batch whose rows are all ``argmax_only``) for
+  (the sampler's, for a batch whose rows are all ``argmax_only``), keeping
+  the hidden states too (a speculative proposer reads them), for
   ``size`` requests of one new token each. A step of ``n`` requests replays the smallest captured
   size ``>= n``; the extra rows are padding that writes no KV and attends to
   nothing (see ``StepBuffers.fill``). Attention runs with ``max_seq_len =
@@ -24,6 +25,15 @@ take about as much memory as the largest.
   sampled rows alone, as in an eager step.
 
 Only the base model is captured: a step with a LoRA adapter runs eagerly.
+
+With tensor parallelism the graphs capture the TP collectives (NCCL, or
+the one-shot all-reduce): every size is first run on a side stream, so
+each communicator is initialised and warm before capture. A pipeline stage
+captures its own layers only: a later stage's graphs read the previous
+stage's hidden states from a fixed ``intermediate`` buffer (the runner
+receives into it before a replay), and a stage before the last computes no
+logits and returns its ``[size, 2, hidden_size]`` output for the runner to
+send on.
 """
 
 from __future__ import annotations
@@ -55,17 +65,26 @@ class CudaGraphs:
     def __init__(
         self, model: CausalLM, buffers: StepBuffers, decode_sizes: tuple[int, ...],
         token_sizes: tuple[int, ...], max_model_len: int,
-        argmax: Callable[[torch.Tensor], torch.Tensor],
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None,
+        intermediate: torch.Tensor | None = None, collectives: bool = False,
     ) -> None:
         self.model = model
+        # the forward runs TP collectives: capture in thread-local mode, so that
+        # NCCL's watchdog thread querying its events cannot invalidate a capture
+        self.capture_mode = "thread_local" if collectives else "global"
         self.buffers = buffers
-        self.argmax = argmax  # [R, vocab] logits -> [R] greedy token ids
+        # [R, vocab] logits -> [R] greedy token ids; None: no logits (not the last stage)
+        self.argmax = argmax
+        # [max_num_tokens, 2, hidden_size]: a later pipeline stage's input
+        self.intermediate = intermediate
         self.decode_sizes = sorted(decode_sizes)
         self.token_sizes = sorted(token_sizes)
         self.max_model_len = max_model_len
         self.decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # size -> ([size, vocab_size] float32 logits, [size] int64 greedy ids)
-        self.logits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # size -> ([size, vocab_size] float32 logits, [size] int64 greedy ids), or
+        # before the last pipeline stage ([size, 2, hidden_size], None)
+        self.logits: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.decode_hidden: dict[int, torch.Tensor] = {}  # size -> [size, hidden_size]
         self.token_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # size -> [size, hidden_size]
         self.pool_bytes = 0
@@ -103,15 +122,28 @@ class CudaGraphs:
             seq_lens_cpu=[],
         )
 
-    def _decode_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stage_input(self, size: int) -> torch.Tensor | None:
+        return None if self.intermediate is None else self.intermediate[:size]
+
+    def _decode_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits, greedy_ids, _ = self._decode_forward_hidden(size)
+        return logits, greedy_ids
+
+    def _decode_forward_hidden(
+        self, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         b = self.buffers
-        hidden = self.model(b.input_ids[:size], b.positions[:size], self.decode_metadata(size))
+        hidden = self.model(b.input_ids[:size], b.positions[:size], self.decode_metadata(size),
+                            self._stage_input(size))
+        if self.argmax is None:  # a stage before the last: its hidden states
+            return hidden, None, hidden
         logits = self.model.compute_logits(hidden)
-        return logits, self.argmax(logits)
+        return logits, self.argmax(logits), hidden
 
     def _token_forward(self, size: int) -> torch.Tensor:
         b = self.buffers
-        return self.model(b.input_ids[:size], b.positions[:size], self.token_metadata(size))
+        return self.model(b.input_ids[:size], b.positions[:size], self.token_metadata(size),
+                          self._stage_input(size))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -132,9 +164,13 @@ class CudaGraphs:
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.token_sizes):
-            self.token_graphs[size], self.hidden[size] = _capture(self._token_forward, size, pool)
+            self.token_graphs[size], self.hidden[size] = _capture(self._token_forward, size, pool,
+                                                                  self.capture_mode)
         for size in reversed(self.decode_sizes):
-            self.decode_graphs[size], self.logits[size] = _capture(self._decode_forward, size, pool)
+            graph, (logits, greedy_ids, hidden) = _capture(self._decode_forward_hidden, size,
+                                                           pool, self.capture_mode)
+            self.decode_graphs[size], self.logits[size] = graph, (logits, greedy_ids)
+            self.decode_hidden[size] = hidden
         torch.cuda.synchronize()
         self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(
@@ -143,9 +179,9 @@ class CudaGraphs:
             _span(self.token_sizes), time.perf_counter() - start, self.pool_bytes / 1e9,
         )
 
-    def replay_decode(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay_decode(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the decode graph of ``size`` on the buffers' contents; its logits
-        and greedy token ids."""
+        and greedy token ids (before the last pipeline stage: its output, None)."""
         self.decode_graphs[size].replay()
         return self.logits[size]
 
@@ -155,13 +191,20 @@ class CudaGraphs:
         return self.hidden[size]
 
 
-def _capture(forward: Callable[[int], T], size: int, pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
+def _capture(forward: Callable[[int], T], size: int, pool: Any,
+             capture_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, T]:
     """A graph of ``forward(size)`` in ``pool`` (a ``torch.cuda.graph_pool_handle()``),
     and its static output."""
-    forward(size)  # compiles and autotunes kernels outside the capture
+    # compiles and autotunes kernels outside the capture, and warms the
+    # collectives up on a side stream (NCCL captured without it can hang)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward(size)
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_mode):
         output = forward(size)
     return graph, output
 

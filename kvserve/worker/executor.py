@@ -1,6 +1,7 @@
 """Builds the in-process executor (one ``ModelRunner`` on one device) from an
-``EngineConfig``: picks the device and dtype, loads the model, sizes the KV
-cache. Tensor/pipeline-parallel executors will live beside it."""
+``EngineConfig``: picks the device and dtype (and on the CPU torch's thread
+count, ``cpu_host.py``), loads the model, sizes the KV cache. The tensor /
+pipeline-parallel one is ``multiproc_executor.py``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.models.loader import resolve_dtype
+from kvserve.worker.cpu_host import configure_cpu_threads
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -27,6 +29,8 @@ def resolve_device(name: str) -> torch.device:
 def create_model_runner(config: EngineConfig) -> ModelRunner:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, config.model_config, device)
+    if device.type == "cpu":
+        configure_cpu_threads(config.num_cpu_threads)
     torch.manual_seed(config.seed)
     start = time.perf_counter()
     runner = ModelRunner.create(config, device, dtype)

@@ -104,6 +104,12 @@ class PersistentBatch:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
 
+    def extend_tokens(self, row: int, token_ids: Sequence[int]) -> None:
+        """Append several tokens to one row (a speculative step's accepted ones)."""
+        start = int(self.num_tokens[row])
+        self.token_ids[row, start:start + len(token_ids)] = token_ids
+        self.num_tokens[row] = start + len(token_ids)
+
     def output_token_ids(self, row: int) -> list[int]:
         return self.token_ids[row, self.num_prompt_tokens[row]:self.num_tokens[row]].tolist()
 

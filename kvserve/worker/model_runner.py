@@ -7,7 +7,9 @@ request's random generator) updated from the scheduler's diffs, flattens the
 step's tokens of all requests into one batch in persistent buffers, builds
 the attention metadata once, runs the model (a decode step replays a CUDA
 graph when one is captured), computes logits only at the last position of
-each request that has caught up with its tokens, and samples. At start-up
+each request that has caught up with its tokens, and samples (prompt
+logprobs, when asked for, come from the prompt positions' hidden states:
+``worker/prompt_logprobs.py``). At start-up
 it profiles a largest step to size the KV cache. It owns the model, the KV
 cache tensors and the graphs; it knows nothing about queues, budgets or text.
 
@@ -18,7 +20,18 @@ engine can queue step N+1 before reading step N (async scheduling); a token
 of step N that step N+1 needs as input is then copied on the device from
 step N's sampled tensor ("carried"). Requests with penalties or below
 ``min_tokens`` need their whole output on the host, so a step that would
-carry one of their tokens reads the previous step first.
+carry one of their tokens reads the previous step first. A speculative step
+(``SchedulerOutput.is_spec_step``) reads every step before it and runs
+through ``worker/spec_decode.py``; a proposer with its own network sees the
+tokens of every step (``SpecDecodeRunner.observe``).
+
+With tensor or pipeline parallelism (``distributed/``) one runner runs in
+each worker process on its rank's shard of the model, from the same
+``SchedulerOutput``; every TP rank samples the same tokens from the same
+gathered logits. A pipeline stage after the first receives the previous
+stage's hidden states before its forward (into a persistent buffer its
+CUDA graphs read), one before the last sends its own after it and samples
+nothing: it learns the sampled tokens from ``append_known_tokens``.
 """
 
 from __future__ import annotations
@@ -37,10 +50,18 @@ import torch
 
 from kvserve.attention.backend import get_attention_backend
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.distributed.parallel_state import ParallelState, building
 from kvserve.layers.attention import bind_kv_cache, get_attention_layers
 from kvserve.layers.custom_ops import set_triton_ops
 from kvserve.lora.manager import LoRAManager
@@ -52,17 +73,24 @@ from kvserve.sampling.sampler import (
     SamplerOutput,
     SamplingBatch,
     forbidden_token_ids,
+    logit_bias_triples,
     make_generator,
 )
+from kvserve.worker import prompt_logprobs
 from kvserve.worker.cuda_graph import CudaGraphs
 from kvserve.worker.input_batch import PersistentBatch, StepBuffers
 from kvserve.worker.kv_cache import (
+    KVCacheSpec,
     allocate_kv_caches,
     allocate_kv_scales,
     allocate_scratch_kv_caches,
+    check_num_blocks,
     check_weights_fit,
+    determine_num_blocks,
     kv_cache_dtype,
 )
+from kvserve.worker.spec_decode import SpecDecodeRunner
+from kvserve.worker.structured_output import GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +149,7 @@ class PendingStep:
         read_oldest: Callable[[], None],
         graphed: bool,
         num_padding_tokens: int,
+        read_tokens: Callable[[PendingStep, ModelRunnerOutput], None] | None = None,
     ) -> None:
         # the requests that sampled, their batch rows and those rows'
         # generations then (a row freed since is not written), logprobs wanted
@@ -132,6 +161,9 @@ class PendingStep:
         self.output: ModelRunnerOutput | None = None
         self._read_oldest = read_oldest  # reads the runner's oldest unread step
         self.graphed, self.num_padding_tokens = graphed, num_padding_tokens
+        self.prompt_logprobs: prompt_logprobs.PromptLogprobsStep | None = None
+        # a speculative step's own reader of its tokens (several per request)
+        self.read_tokens = read_tokens
 
     def get(self) -> ModelRunnerOutput:
         while self.output is None:
@@ -163,6 +195,10 @@ class ModelRunner:
         cuda_graph_sizes: tuple[int, ...] = (),
         lora_config: LoRAConfig | None = None,
         cuda_graph_token_sizes: tuple[int, ...] = (),
+        parallel: ParallelState | None = None,
+        speculative_config: SpeculativeConfig | None = None,
+        draft_path: str | None = None,
+        load_format: str = "auto",
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -184,11 +220,23 @@ class ModelRunner:
         self.rows: dict[str, int] = {}
         # row -> generator of the seeded random requests
         self._generators: dict[int, torch.Generator] = {}
+        # held requests that want prompt logprobs and whose prompt is not done
+        # -> their prompt_logprobs (their steps replay no decode graph)
+        self._prompt_logprobs: dict[str, int] = {}
+        # held requests with a logit_bias (kept across preemption)
+        self._biased: set[str] = set()
+        # structured-output requests' grammar state (worker/structured_output.py)
+        self.matchers = GrammarMatchers(model_config.vocab_size)
         self.kv_caches: list[torch.Tensor] = []
         # an fp8 or int8 cache's per-layer scales (kernels/kv_quant.py), else None
         self.kv_scales: list[torch.Tensor] | None = None
         self.kv_cache_dtype = kv_cache_dtype(cache_config, dtype)
         self.num_kv_blocks = 0
+        self.reserved_bytes = 0  # kept out of the KV pool for the largest step (profiled)
+        self.kv_spec = KVCacheSpec.of(model)
+        self.parallel = parallel or ParallelState.single()
+        # a pipeline stage before the last hands its hidden states on and samples nothing
+        self.samples = self.parallel.layout.is_last_stage
         # wraps the LoRA-capable linears before any graph is captured
         self.lora_manager = (LoRAManager(model, lora_config, device)
                              if lora_config is not None else None)
@@ -204,6 +252,12 @@ class ModelRunner:
                              max(self.cuda_graph_sizes, default=0),
                              max(self.cuda_graph_token_sizes, default=0))
         self.buffers = StepBuffers(max_num_tokens, max_num_reqs, max_blocks_per_req, device)
+        # [max_num_tokens, 2, hidden_size]: a later pipeline stage's input, received
+        # from the previous stage (a fixed buffer, so CUDA graphs can read it)
+        self.intermediate: torch.Tensor | None = None
+        if not self.parallel.layout.is_first_stage:
+            self.intermediate = torch.zeros(max_num_tokens, 2, model_config.hidden_size,
+                                            dtype=dtype, device=device)
         self.graphs: CudaGraphs | None = None
         # queued steps whose tokens are not appended to the states yet, oldest first
         self._unread: deque[PendingStep] = deque()
@@ -213,6 +267,9 @@ class ModelRunner:
         # tokens (-1: none), for tokens the next step must carry
         self._last_sampled: tuple[torch.Tensor, np.ndarray] | None = None
         self._last_sample_index = np.full(max_num_reqs, -1, dtype=np.int64)
+        # loads a draft model or EAGLE head, if the method has one
+        self.spec = (SpecDecodeRunner.create(self, speculative_config, draft_path, load_format)
+                     if speculative_config is not None else None)
 
     @classmethod
     def create(
@@ -220,27 +277,33 @@ class ModelRunner:
         config: EngineConfig,
         device: torch.device,
         dtype: torch.dtype,
+        parallel: ParallelState | None = None,
     ) -> ModelRunner:
-        """Load the model, profile a largest step, allocate the KV cache, capture graphs."""
+        """Load the model (``parallel``: this rank's shard of it), profile a largest
+        step, allocate the KV cache, capture graphs."""
         check_weights_fit(config.model_config, dtype, device,
-                          config.cache_config.gpu_memory_utilization)
+                          config.cache_config.gpu_memory_utilization, config.parallel_config,
+                          config.scheduler_config.max_model_len)
         start = time.perf_counter()
-        model = load_model(
-            config.model_config,
-            Path(config.model_path) if config.model_path else None,
-            config.load_format,
-            dtype,
-            device,
-            seed=config.seed,
-        )
+        with building(parallel or ParallelState.single()):
+            model = load_model(
+                config.model_config,
+                Path(config.model_path) if config.model_path else None,
+                config.load_format,
+                dtype,
+                device,
+                seed=config.seed,
+            )
         model.eval()
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info("weights: %.2f GB in %s, loaded in %.1f s", weights_bytes / 1e9, dtype,
                     time.perf_counter() - start)
         start = time.perf_counter()
+        spec = config.speculative_config
         runner = cls(config.model_config, config.cache_config, config.scheduler_config, model,
                      device, dtype, config.attention_backend, config.cuda_graph_sizes,
-                     config.lora_config, config.cuda_graph_token_sizes)
+                     config.lora_config, config.cuda_graph_token_sizes, parallel, spec,
+                     spec.model if spec is not None else None, config.load_format)
         runner.initialize_kv_cache()
         runner.capture_cuda_graphs()
         logger.info("startup after loading weights (profile, KV cache, graphs): %.1f s",
@@ -248,12 +311,37 @@ class ModelRunner:
         return runner
 
     def initialize_kv_cache(self) -> None:
-        reserved = self.profile_peak_step_bytes() if self.device.type == "cuda" else 0
-        self.kv_caches, self.num_kv_blocks = allocate_kv_caches(
-            self.model_config, self.cache_config, self.scheduler_config, self.device,
-            self.kv_cache_dtype, reserved, model_dtype=self.dtype,
-        )
-        self.kv_scales = self._allocate_kv_scales(self.num_kv_blocks + 1)
+        """Size the pool from what is left after a profiled step (parallel ranks
+        agree on the smallest pool; a speculative proposer's KV shares the
+        blocks), allocate it (quantised with its scales when kv_cache_dtype
+        asks) and bind it to the layers."""
+        if self.device.type == "cuda":
+            self.reserved_bytes = self.profile_peak_step_bytes()
+        spec, cache, sched = self.kv_spec, self.cache_config, self.scheduler_config
+        kv_dtype = self.kv_cache_dtype
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        num_blocks = determine_num_blocks(spec, cache, sched, self.device, kv_dtype,
+                                          self.reserved_bytes, weights,
+                                          self.spec.kv_bytes_per_block() if self.spec else 0)
+        num_blocks = self.parallel.min_over_ranks(num_blocks)
+        if cache.num_kv_blocks is None:  # a given count is the user's (the scheduler checks it)
+            check_num_blocks(num_blocks, spec, cache, sched, kv_dtype)
+        self.kv_caches = allocate_kv_caches(spec, num_blocks, cache, sched, self.device,
+                                            kv_dtype, model_dtype=self.dtype)
+        self.num_kv_blocks = num_blocks
+        self.kv_scales = self._allocate_kv_scales(num_blocks + 1)
+        self._log_kv_scales()
+        bind_kv_cache(self.model, self.kv_caches, self.backend, self.kv_scales)
+        if self.spec is not None:
+            self.spec.bind_kv_cache(self.num_kv_blocks + 1)
+
+    def _allocate_kv_scales(self, num_blocks: int) -> list[torch.Tensor] | None:
+        """Scales for a quantised cache of ``num_blocks`` blocks (``kv_cache.py``)."""
+        checkpoint = [layer.checkpoint_kv_scales for layer in get_attention_layers(self.model)]
+        return allocate_kv_scales(self.kv_spec, self.kv_cache_dtype, num_blocks,
+                                  self.block_size, self.device, checkpoint)
+
+    def _log_kv_scales(self) -> None:
         has_scales = any(layer.checkpoint_kv_scales is not None
                          for layer in get_attention_layers(self.model))
         if self.kv_cache_dtype == torch.float8_e4m3fn:
@@ -262,13 +350,6 @@ class ModelRunner:
         elif has_scales:
             logger.info("the checkpoint's k/v scales are unused: they serve "
                         "kv_cache_dtype='fp8_e4m3', not '%s'", self.cache_config.kv_cache_dtype)
-        bind_kv_cache(self.model, self.kv_caches, self.backend, self.kv_scales)
-
-    def _allocate_kv_scales(self, num_blocks: int) -> list[torch.Tensor] | None:
-        """Scales for a quantised cache of ``num_blocks`` blocks (``kv_cache.py``)."""
-        checkpoint = [layer.checkpoint_kv_scales for layer in get_attention_layers(self.model)]
-        return allocate_kv_scales(self.model_config, self.kv_cache_dtype, num_blocks,
-                                  self.block_size, self.device, checkpoint)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check a PEFT adapter (ValueError naming what does not fit)."""
@@ -284,8 +365,11 @@ class ModelRunner:
             return
         self.graphs = CudaGraphs(self.model, self.buffers, self.cuda_graph_sizes,
                                  self.cuda_graph_token_sizes, self.scheduler_config.max_model_len,
-                                 self.sampler.argmax)
+                                 self.sampler.argmax if self.samples else None,
+                                 self.intermediate, collectives=self.parallel.tp.size > 1)
         self.graphs.capture()
+        if self.spec is not None:
+            self.spec.capture_graphs()
 
     # ------------------------------------------------------------ profiling
 
@@ -305,7 +389,7 @@ class ModelRunner:
         sched = self.scheduler_config
         query_lens = largest_step_query_lens(sched)
         num_tokens, num_reqs = sum(query_lens), len(query_lens)
-        scratch = allocate_scratch_kv_caches(self.model_config, self.cache_config, self.device,
+        scratch = allocate_scratch_kv_caches(self.kv_spec, self.cache_config, self.device,
                                              self.kv_cache_dtype)
         bind_kv_cache(self.model, scratch, self.backend, self._allocate_kv_scales(2))
         torch.cuda.synchronize(self.device)
@@ -354,7 +438,10 @@ class ModelRunner:
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in query_lens])
-        hidden = self.model(input_ids, positions, metadata)
+        hidden = self.model(input_ids, positions, metadata, self._receive(num_tokens))
+        if not self.samples:
+            self._send(hidden)
+            return
         rows = torch.arange(sample_rows, device=self.device) % num_tokens
         logits = self.model.compute_logits(hidden[rows])
         params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=i)
@@ -370,6 +457,10 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
+            self._biased.discard(request_id)
+            self.matchers.remove(request_id)
+            if self.spec is not None and request_id in self.rows:
+                self.spec.on_finished(self.rows[request_id])
             self._free_row(request_id)
         for request_id in scheduler_output.preempted_request_ids:
             self._free_row(request_id)
@@ -381,6 +472,12 @@ class ModelRunner:
                                  new.num_computed_tokens, new.block_ids, new.sampling_params)
             if generator is not None and not new.sampling_params.is_greedy:
                 self._generators[row] = generator
+            if new.sampling_params.logit_bias:
+                self._biased.add(new.request_id)
+            if new.sampling_params.grammar is not None:
+                self.matchers.add(new.request_id, new.sampling_params.grammar)
+            if new.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprobs[new.request_id] = new.sampling_params.prompt_logprobs
             self.rows[new.request_id] = row
             self.states[new.request_id] = RunnerRequestState(
                 request_id=new.request_id,
@@ -397,6 +494,7 @@ class ModelRunner:
     def _free_row(self, request_id: str) -> None:
         """Give back the request's batch row, if it holds one."""
         row = self.rows.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         if row is None:
             return
         self.batch.free(row)
@@ -411,7 +509,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------ inputs
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput,
+                        num_spec: np.ndarray | None = None) -> StepInputs:
+        """The step's flat inputs; ``num_spec``: proposals per request, which
+        ``SpecDecodeRunner.begin_step`` wrote past the request's known tokens."""
         scheduled = scheduler_output.num_scheduled_tokens
         request_ids = list(scheduled)
         num_reqs = len(request_ids)
@@ -420,10 +521,14 @@ class ModelRunner:
         num_scheduled = np.fromiter(scheduled.values(), np.int64, num_reqs)
         batch = self.batch
         ends = batch.num_computed_tokens[rows] + num_scheduled
+        if num_spec is not None:
+            ends = ends - num_spec
         carried = np.flatnonzero(ends > batch.num_tokens[rows])
         carried_src = self._last_sample_index[rows[carried]]
         if len(carried) and ((carried_src < 0).any()
-                             or batch.needs_known_outputs(rows[carried]).any()):
+                             or batch.needs_known_outputs(rows[carried]).any()
+                             or (self.matchers and any(request_ids[i] in self.matchers
+                                                       for i in carried.tolist()))):
             self._read_all_steps()
             carried = np.flatnonzero(ends > batch.num_tokens[rows])
             carried_src = self._last_sample_index[rows[carried]]
@@ -436,7 +541,7 @@ class ModelRunner:
         padded_num_reqs, padded_num_tokens = num_reqs, int(num_scheduled.sum())
         # graphs hold the base model only: a step with an adapter runs eagerly
         if self.graphs is not None and not (lora_int_ids and any(lora_int_ids)):
-            if int(num_scheduled.max()) == 1:
+            if int(num_scheduled.max()) == 1 and not self._prompt_logprobs:
                 decode_size = self.graphs.decode_size(num_reqs)
             if decode_size is not None:
                 padded_num_reqs = padded_num_tokens = decode_size
@@ -502,8 +607,13 @@ class ModelRunner:
             index = {row: i for i, row in enumerate(row_list)}
             generators = {index[row]: generator for row, generator in self._generators.items()
                           if row in index}
+        biases = logit_bias_triples(
+            (i, self.states[request_id].sampling_params)
+            for i, request_id in enumerate(inputs.sample_request_ids)
+            if request_id in self._biased) if self._biased else []
+        bitmask = self.matchers.bitmask(inputs.sample_request_ids) if self.matchers else None
         return SamplingBatch.from_rows(batch.sampling.take(sample_rows), prompts, outputs,
-                                       forbidden, generators, self.device)
+                                       forbidden, generators, self.device, biases, bitmask)
 
     # ------------------------------------------------------------ step
 
@@ -514,31 +624,42 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
+        if self.spec is not None and scheduler_output.is_spec_step:
+            self._read_all_steps()  # proposers and penalties read the outputs so far
+            num_spec = self.spec.begin_step(scheduler_output)
+            return self.spec.execute(self._prepare_inputs(scheduler_output, num_spec),
+                                     scheduler_output, num_spec)
         inputs = self._prepare_inputs(scheduler_output)
-        sample_rows = inputs.rows[inputs.sample_indices]
+        # a pipeline stage before the last samples nothing
+        sample_indices = inputs.sample_indices if self.samples else inputs.sample_indices[:0]
+        sample_request_ids = inputs.sample_request_ids if self.samples else []
+        sample_rows = inputs.rows[sample_indices]
         num_sample = len(sample_rows)
         argmax_only = num_sample > 0 and bool(self.batch.sampling.argmax_only[sample_rows].all())
         # built before the forward is queued: its small host-to-device copies
         # would otherwise wait for the whole forward to finish
         batch = (self._sampling_batch(inputs, sample_rows) if num_sample and not argmax_only
                  else None)
-        if self.lora_manager is not None and inputs.lora_int_ids is not None:
-            self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist())
+        prompt_plan = (prompt_logprobs.plan(self._prompt_logprobs, inputs.request_ids,
+                                            inputs.rows, inputs.num_scheduled, self.batch)
+                       if self._prompt_logprobs else None)
         start = self._mark()
         logits = sampled_ids = None
-        if inputs.decode_graph_size is not None and self.graphs is not None:
-            all_logits, greedy_ids = self.graphs.replay_decode(inputs.decode_graph_size)
+        hidden, decode_out = self._forward(inputs)
+        if decode_out is not None:
+            all_logits, greedy_ids = decode_out
             if num_sample == len(inputs.rows):  # every request samples: rows 0..n-1
                 logits = all_logits[:num_sample]
                 sampled_ids = greedy_ids[:num_sample] if argmax_only else None
             else:
                 logits = all_logits[inputs.logits_indices]
-        elif inputs.token_graph_size is not None and self.graphs is not None:
-            hidden = self.graphs.replay_tokens(inputs.token_graph_size)
-        else:
-            assert inputs.input_ids is not None and inputs.positions is not None
-            assert inputs.metadata is not None, "an eager step has its metadata"
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        if not self.samples:
+            assert hidden is not None, "a stage before the last has its hidden states"
+            self._send(hidden)
+        # prompt logprobs come from the last stage's hidden states
+        prompt_step = (prompt_logprobs.compute(self.model, hidden, prompt_plan, self.device)
+                       if prompt_plan is not None and hidden is not None and self.samples
+                       else None)
         self.batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
         sampled = None
         if self._last_sampled is not None:
@@ -546,6 +667,7 @@ class ModelRunner:
         self._last_sampled = None
         if num_sample:
             if logits is None:
+                assert hidden is not None, "a step without a decode graph has its hidden states"
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if sampled_ids is not None:
                 sampled = SamplerOutput(sampled_ids)
@@ -555,15 +677,52 @@ class ModelRunner:
                 sampled = self.sampler(logits, batch)
             self._last_sampled = (sampled.sampled_token_ids, sample_rows)
             self._last_sample_index[sample_rows] = np.arange(len(sample_rows))
+        if self.spec is not None:
+            self.spec.observe(inputs, hidden, sampled)
         host_tensors = self._copy_to_host(sampled)
         graphed = inputs.decode_graph_size is not None or inputs.token_graph_size is not None
-        step = PendingStep(inputs.sample_request_ids, sample_rows,
+        step = PendingStep(sample_request_ids, sample_rows,
                            self.batch.generation[sample_rows],
                            self.batch.sampling.num_logprobs[sample_rows], host_tensors, start,
                            self._mark(), self._read_oldest_step, graphed,
                            inputs.num_padding_tokens)
+        step.prompt_logprobs = prompt_step
         self._unread.append(step)
         return step
+
+    def _forward(self, inputs: StepInputs) -> tuple[
+            torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Run the step's forward (LoRA's batch set first, the previous
+        pipeline stage's output received): its rows' hidden states, and for a
+        decode graph on the last stage its logits and greedy ids."""
+        if self.lora_manager is not None and inputs.lora_int_ids is not None:
+            self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist())
+        num_rows = inputs.decode_graph_size or inputs.token_graph_size or (
+            0 if inputs.input_ids is None else len(inputs.input_ids))
+        intermediate = self._receive(num_rows)
+        if inputs.decode_graph_size is not None and self.graphs is not None:
+            logits, greedy_ids = self.graphs.replay_decode(inputs.decode_graph_size)
+            if greedy_ids is None:  # a stage before the last: its output
+                return logits, None
+            return self.graphs.decode_hidden[inputs.decode_graph_size], (logits, greedy_ids)
+        if inputs.token_graph_size is not None and self.graphs is not None:
+            return self.graphs.replay_tokens(inputs.token_graph_size), None
+        assert inputs.input_ids is not None and inputs.positions is not None
+        assert inputs.metadata is not None, "an eager step has its metadata"
+        return self.model(inputs.input_ids, inputs.positions, inputs.metadata, intermediate), None
+
+    def _receive(self, num_tokens: int) -> torch.Tensor | None:
+        """The previous pipeline stage's ``[num_tokens, 2, hidden_size]`` output for
+        this step, in the buffer the graphs read (None on the first stage)."""
+        if self.intermediate is None:
+            return None
+        assert self.parallel.pp is not None
+        return self.parallel.pp.recv(self.intermediate[:num_tokens])
+
+    def _send(self, hidden: torch.Tensor) -> None:
+        """Hand this stage's output on to the next pipeline stage."""
+        assert self.parallel.pp is not None
+        self.parallel.pp.send(hidden)
 
     def _mark(self) -> Any:
         """A point in the device's timeline: a recorded CUDA event (reused
@@ -610,7 +769,12 @@ class ModelRunner:
         output = ModelRunnerOutput(device_s=device_s, graphed=step.graphed,
                                    num_padding_tokens=step.num_padding_tokens)
         step.output = output
+        if step.prompt_logprobs is not None:
+            output.prompt_logprobs = step.prompt_logprobs.read()
         if not step.host_tensors:
+            return
+        if step.read_tokens is not None:
+            step.read_tokens(step, output)
             return
         token_ids = step.host_tensors[0].numpy()
         written = self.batch.generation[step.rows] == step.generations
@@ -619,6 +783,8 @@ class ModelRunner:
             request_id: [token_id]
             for request_id, token_id in zip(step.request_ids, token_ids.tolist(), strict=True)
         }
+        if self.matchers:
+            self.matchers.accept(output.sampled_token_ids)
         if len(step.host_tensors) == 1:
             return
         ids, values = step.host_tensors[1].tolist(), step.host_tensors[2].tolist()

@@ -142,3 +142,27 @@ def test_random_dataset_lengths() -> None:
     assert all(10 <= r.prompt_len <= 30 and 5 <= r.output_len <= 15 for r in requests)
     assert all(len(r.prompt.split()) == max(1, round(r.prompt_len / 2.0)) for r in requests)
     assert requests == bench.random_requests(args, tokens_per_word=2.0)  # seeded
+
+
+def _stream(output_len: int, chunk_times: list[float], success: bool = True
+            ) -> bench.RequestResult:
+    return bench.RequestResult(success=success, output_len=output_len, chunk_times=chunk_times,
+                               start_s=0.0, latency=chunk_times[-1])
+
+
+def test_peak_is_the_busiest_one_second_window_in_tokens() -> None:
+    peak = bench.peak_output_tokens_per_s
+    # 10 chunks a second of 2 tokens each for 3 s: the peak is the mean, 20 tok/s
+    steady = _stream(60, [i / 10 for i in range(30)])
+    assert peak([steady], 3.0) == pytest.approx(20.0)
+    summary = bench.compute_metrics([steady], 3.0, _args())
+    assert summary["max_output_tokens_per_s"] >= summary["output_throughput"]
+    # 30 tokens within half a second, then quiet: the window holds them all
+    burst = _stream(30, [i / 60 for i in range(30)])
+    assert peak([burst], 3.0) == pytest.approx(30.0)
+    # the window slides: 10 tokens at 0.6-0.9 s and 10 at 1.1-1.4 s are one window
+    split = _stream(20, [0.6, 0.7, 0.8, 0.9, 1.1, 1.2, 1.3, 1.4])
+    assert peak([split], 2.0) == pytest.approx(20.0)
+    # a run shorter than a second: its tokens over its duration; failures count nothing
+    assert peak([_stream(8, [0.1, 0.2])], 0.5) == pytest.approx(16.0)
+    assert peak([_stream(8, [0.1, 0.2], success=False)], 0.5) == 0.0

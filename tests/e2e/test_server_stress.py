@@ -128,7 +128,7 @@ def test_backpressure(start_server: StartServer) -> None:
     for response in responses:
         if response.status_code == 503:
             assert response.headers["retry-after"].isdigit()
-            assert response.json()["error"]["code"] == 503
+            assert response.json()["error"]["type"] == "ServiceUnavailableError"
         else:
             assert response.json()["usage"]["completion_tokens"] == 30
     assert server.metric("kvserve:admission_rejections_total", 'reason="queue_full"') == 6
@@ -162,7 +162,7 @@ def test_forward_raising_fails_everything_and_exits(start_server: StartServer) -
             "The server had an error while processing your request.")
     for status, frames in streams:
         if status == 200:  # the stream had started: an error frame, then [DONE]
-            assert json.loads(frames[-2][6:])["error"]["code"] == 500
+            assert json.loads(frames[-2][6:])["error"]["type"] == "InternalServerError"
             assert frames[-1] == "data: [DONE]"
         else:
             assert status == 500
@@ -187,7 +187,7 @@ def test_hung_forward_trips_health_and_watchdog(start_server: StartServer) -> No
 
     health_status, (status, frames) = asyncio.run(asyncio.wait_for(main(), 30))
     assert health_status == 503
-    assert status == 200 and json.loads(frames[-2][6:])["error"]["code"] == 500
+    assert status == 200 and json.loads(frames[-2][6:])["error"]["type"] == "InternalServerError"
     assert frames[-1] == "data: [DONE]"
     exit_code = server.wait_exit(20)
     assert exit_code not in (None, 0), server.log()[-3000:]

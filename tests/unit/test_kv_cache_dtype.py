@@ -21,7 +21,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.engine.args import EngineArgs
 from kvserve.models.source import resolve_model_config
-from kvserve.worker.kv_cache import determine_num_blocks, kv_bytes_per_block
+from kvserve.worker.kv_cache import KVCacheSpec, determine_num_blocks
 from kvserve.worker.kv_cache import kv_cache_dtype as kv_cache_dtype_of
 from kvserve.worker.model_runner import ModelRunner
 
@@ -62,10 +62,11 @@ def test_config_names_and_errors() -> None:
 
 def test_pool_bytes_count_the_int8_scales() -> None:
     config, _ = resolve_model_config("llama-3-8b")
-    bf16 = kv_bytes_per_block(config, 16, torch.bfloat16)
-    assert kv_bytes_per_block(config, 16, torch.float8_e4m3fn) * 2 == bf16
+    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim)
+    bf16 = spec.bytes_per_block(16, torch.bfloat16)
+    assert spec.bytes_per_block(16, torch.float8_e4m3fn) * 2 == bf16
     # a float32 scale per token and KV head beside 128 int8 values: 2 * 128 / 132
-    assert bf16 / kv_bytes_per_block(config, 16, torch.int8) == pytest.approx(256 / 132)
+    assert bf16 / spec.bytes_per_block(16, torch.int8) == pytest.approx(256 / 132)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
@@ -76,7 +77,7 @@ def test_pool_holds_about_twice_the_tokens(
     scheduler = SchedulerConfig(max_num_seqs=4096, max_model_len=128)
     blocks = {
         name: determine_num_blocks(
-            config, CacheConfig(kv_cache_dtype=name, cpu_kv_cache_bytes=1 << 22), scheduler,
+            KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim), CacheConfig(kv_cache_dtype=name, cpu_kv_cache_bytes=1 << 22), scheduler,
             torch.device("cpu"), kv_cache_dtype_of(CacheConfig(kv_cache_dtype=name),
                                                    torch.float16))
         for name in ("auto", kv_cache_dtype)

@@ -47,7 +47,6 @@ def test_stop_normalised_to_lists() -> None:
         ("min_tokens", -1),
         ("min_tokens", 17),
         ("logprobs", -1),
-        ("logprobs", MAX_LOGPROBS + 1),
         ("stop", [""]),
         ("stop_token_ids", [-1]),
     ],

@@ -199,7 +199,7 @@ def test_api_key_required_except_probes(served: ServerState) -> None:
     for key in (None, "wrong", KEY[:-1]):
         response = call(served, "POST", "/v1/completions", key=key, json=COMPLETION)
         assert response.status_code == 401
-        assert response.json()["error"]["code"] == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
         assert call(served, "GET", "/v1/models", key=key).status_code == 401
     for path in ("/health", "/ready", "/metrics"):
         assert call(served, "GET", path, key=None).status_code == 200

@@ -1,0 +1,84 @@
+"""Compiles ``StructuredOutputParams`` into xgrammar grammars, cached.
+
+One ``GrammarCompiler`` per engine, built on first use from the engine's
+tokenizer and the model's vocabulary size (the logits' width, which may be
+larger than the tokenizer's). Compiling a JSON schema takes milliseconds to
+a second, so the server compiles in a worker thread before queueing the
+request (a bad or unsatisfiable schema is then a 400 naming it) and the
+engine's step loop, which compiles again at ``add_request``, finds it in the
+cache. JSON is generated compact (no free whitespace: a model cannot spend
+its tokens on spaces). xgrammar is imported only here and in
+``worker/structured_output.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from kvserve.core.structured_output import StructuredOutputParams
+from kvserve.engine.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
+
+# compiled grammars kept (least recently used dropped first)
+MAX_CACHED_GRAMMARS = 256
+
+
+class StructuredOutputCompiler:
+    """Compile and cache grammars for one tokenizer and vocabulary."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int,
+                 stop_token_ids: tuple[int, ...]) -> None:
+        import xgrammar
+
+        if isinstance(tokenizer, HfTokenizer):
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                tokenizer.hf_tokenizer, vocab_size=vocab_size,
+                stop_token_ids=list(stop_token_ids) or None)
+        elif isinstance(tokenizer, ByteTokenizer):
+            vocab = [b""] * vocab_size
+            for byte in range(256):
+                vocab[ByteTokenizer.BYTE_OFFSET + byte] = bytes([byte])
+            info = xgrammar.TokenizerInfo(vocab, vocab_size=vocab_size,
+                                          stop_token_ids=list(stop_token_ids))
+        else:
+            raise ValueError(f"structured output needs a Hugging Face or byte tokenizer, "
+                             f"not {type(tokenizer).__name__}")
+        self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # cache misses, for tests and stats
+
+    def compile(self, params: StructuredOutputParams) -> Any:
+        """The compiled grammar (cached); ValueError naming the field when
+        xgrammar refuses it (malformed or unsupported schema, bad regex or EBNF)."""
+        key = params.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        try:
+            grammar = self._compile(params)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"{params.kind}: could not compile it: {str(exc)[:300]}") from None
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[key] = grammar
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile(self, params: StructuredOutputParams) -> Any:
+        compiler = self._compiler
+        if params.json is not None:
+            return compiler.compile_json_schema(json.dumps(params.json), any_whitespace=False)
+        if params.json_object:
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if params.regex is not None:
+            return compiler.compile_regex(params.regex)
+        if params.choice is not None:
+            return compiler.compile_grammar(
+                "root ::= " + " | ".join(json.dumps(choice) for choice in params.choice))
+        assert params.grammar is not None
+        return compiler.compile_grammar(params.grammar)

@@ -1,0 +1,192 @@
+"""An EAGLE-style head (registered as ``"eagle"``): one decoder layer over the
+target's last hidden states and token embeddings, chained to propose.
+
+At a position ``t`` the head reads the target's final hidden state ``f_t``
+and the embedding of the next token ``x_{t+1}``, ``fc([e(x_{t+1}); f_t])``,
+runs one Llama decoder layer (its own attention, its KV in the target's
+paged pool: ``proposer.py``) and a final norm, and predicts ``f_{t+1}``,
+which the target's LM head turns into a distribution over ``x_{t+2}``.
+Every step it catches up over the target's rows (the target's
+hidden states, the next tokens: the step's inputs shifted by one, the
+token the step added after each sampling request's last kept one); the
+row of that last kept token already predicts the first proposal. Each
+further proposal is a one-token step on the previous proposal and the
+head's own output feature (a chain; no tree). Proposals are the argmax.
+
+A head is a directory with ``config.json`` (``architectures:
+["EagleHead"]``, the layer's shape, the target's ``hidden_size`` and
+``vocab_size``) and ``model.safetensors`` in this module's parameter names;
+``scripts/train_eagle_head.py`` trains one for any target we serve.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.config import ModelConfig
+from kvserve.host_copy import to_device
+from kvserve.layers.custom_ops import set_triton_ops
+from kvserve.layers.linear import Linear
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.models.llama import LlamaAttention, LlamaDecoderLayer
+from kvserve.models.registry import CausalLM
+from kvserve.spec.proposer import ChainProposer, ProposerStep
+
+if TYPE_CHECKING:
+    from kvserve.worker.model_runner import ModelRunner
+
+
+def head_model_config(config: dict[str, Any], source: str) -> ModelConfig:
+    """The head's layer shape (``config.json`` of a head) as a one-layer Llama config."""
+    return ModelConfig.from_hf_config(
+        {**config, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1},
+        source=source)
+
+
+class EagleHead(nn.Module):
+    """``fc`` over ``[embedding; feature]``, one decoder layer, a final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = Linear(2 * hidden, hidden, bias=False)
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                 config.rope_parameters)
+        self.layer = LlamaDecoderLayer(config, 0, rotary, LlamaAttention)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [num_tokens, hidden]: the next tokens' embeddings
+        features: torch.Tensor,  # [num_tokens, hidden]: the target's (or head's) features
+        positions: torch.Tensor,  # [num_tokens] int64
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]: the predicted next features
+        x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
+        hidden, residual = self.layer(positions, x, None, metadata)
+        out, _ = self.norm(hidden, residual)
+        return out
+
+
+class EagleProposer(ChainProposer):
+    """An EAGLE head running beside the target, with the target's embeddings
+    and LM head."""
+
+    def __init__(self, head: EagleHead, target: CausalLM, **kwargs: Any) -> None:
+        super().__init__(head, hidden_size=head.config.hidden_size, **kwargs)
+        self.head = head
+        self.target = target
+
+    @torch.inference_mode()
+    def run(self, step: ProposerStep) -> torch.Tensor | None:
+        assert step.hidden is not None, "an EAGLE head reads the target's hidden states"
+        out = self.head(self.target.embed_input_ids(self._next_ids(step)),
+                        step.hidden[:len(step.input_ids)], step.positions, step.metadata)
+        rows = np.flatnonzero(step.num_draft > 0)
+        if not len(rows):
+            return None
+        num_rows, num_draft = len(rows), int(step.num_draft[rows].max())
+        rows_t, limit, last_positions = self.chain_setup(step, rows)
+        features = out.index_select(0, step.last_index.index_select(0, rows_t))
+        tokens = self.target.compute_logits(features).argmax(dim=-1)
+        drafts = torch.empty((num_rows, num_draft), dtype=torch.int64, device=self.device)
+        drafts[:, 0] = tokens
+        for j in range(1, num_draft):
+            # proposal j - 1 sits at last + j + 1; the head's row for it is at last + j
+            tokens, features = self.chain_step(num_rows, last_positions + j, j < limit, tokens,
+                                               features)
+            drafts[:, j] = tokens
+        return drafts
+
+    def step_forward(self, num_rows: int, metadata: AttentionMetadata
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.buffers
+        out = self.head(self.target.embed_input_ids(b.input_ids[:num_rows]),
+                        b.features[:num_rows], b.positions[:num_rows], metadata)
+        return self.target.compute_logits(out).argmax(dim=-1), out
+
+    def _next_ids(self, step: ProposerStep) -> torch.Tensor:
+        """The token after each of the step's rows: the next row's input within
+        a request; after a request's last row the next prompt token, or for a
+        sampling request, after its last kept row, the token the step added."""
+        next_ids = torch.roll(step.input_ids, -1)
+        ends = step.query_end - 1
+        not_sampling = np.ones(len(ends), dtype=bool)
+        not_sampling[step.sample_indices] = False
+        fix = np.stack([ends[not_sampling], np.maximum(step.next_token_ids[not_sampling], 0)])
+        if fix.shape[1]:
+            fix_t = to_device(fix, torch.int64, self.device)
+            next_ids[fix_t[0]] = fix_t[1]
+        if len(step.sample_indices):
+            next_ids[step.last_index] = step.bonus_ids
+        return next_ids
+
+
+def eagle_head_config(target_config: dict[str, Any]) -> dict[str, Any]:
+    """A head's ``config.json`` for a target's ``config.json``: the target's
+    layer shape, one layer."""
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
+            "rope_theta", "rope_scaling", "hidden_act", "vocab_size", "attention_bias",
+            "mlp_bias")
+    config = {key: target_config[key] for key in keys if key in target_config}
+    return {"architectures": ["EagleHead"], **config, "num_hidden_layers": 1}
+
+
+def save_eagle_head(head: EagleHead, config: dict[str, Any], path: Path) -> None:
+    """Write a head directory (``config.json``, ``model.safetensors``)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({name: param.detach().contiguous().cpu()
+               for name, param in head.named_parameters()}, str(path / "model.safetensors"))
+
+
+def load_eagle_head(path: Path, device: torch.device, dtype: torch.dtype) -> EagleHead:
+    """A head from its directory; ValueError naming a tensor that does not fit."""
+    from safetensors.torch import load_file
+
+    config = head_model_config(json.loads((path / "config.json").read_text(encoding="utf-8")),
+                               str(path / "config.json"))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters in dtype; the rope cache stays float32
+    try:
+        with torch.device(device):
+            head = EagleHead(config)
+    finally:
+        torch.set_default_dtype(previous)
+    weights = load_file(str(path / "model.safetensors"), device=str(device))
+    params = dict(head.named_parameters())
+    missing = sorted(set(params) - set(weights))
+    unexpected = sorted(set(weights) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"speculative_config.model={str(path)!r}: model.safetensors lacks "
+                         f"{missing} / has unexpected {unexpected} tensors for an EAGLE head")
+    with torch.no_grad():
+        for name, param in params.items():
+            if tuple(weights[name].shape) != tuple(param.shape):
+                raise ValueError(
+                    f"speculative_config.model={str(path)!r}: tensor '{name}' has shape "
+                    f"{tuple(weights[name].shape)}; the head's config needs {tuple(param.shape)}")
+            param.copy_(weights[name])
+    return head.eval()
+
+
+def load_eagle_proposer(runner: ModelRunner, path: Path) -> EagleProposer:
+    head = load_eagle_head(path, runner.device, runner.dtype)
+    if runner.sampler.use_triton:
+        set_triton_ops(head, True)
+    return EagleProposer(
+        head, runner.model, backend=runner.backend, device=runner.device, dtype=runner.dtype,
+        block_size=runner.block_size, max_model_len=runner.scheduler_config.max_model_len,
+        max_rows=runner.scheduler_config.max_num_seqs, graph_sizes=runner.cuda_graph_sizes)

@@ -1,0 +1,348 @@
+"""The model runner's side of speculative decoding: a step that verifies
+proposals or makes them (``SchedulerOutput.is_spec_step``).
+
+``begin_step`` writes each request's scheduled proposals into its row of
+the ``PersistentBatch`` past its known tokens (entries there are stale by
+definition), so the step's inputs are gathered as for any step: the last
+token, then the proposals. ``execute`` runs the target, takes the logits at
+each verifying request's last ``1 + n`` rows, gets the target's
+distributions from ``Sampler.process`` over one row per position (each
+row's penalties count the proposals before it as outputs, ``min_tokens``
+masks per position), verifies (``sampling/rejection.py``), and lets a
+device proposer (draft model, EAGLE head) catch up and chain its next
+proposals, all queued without waiting for the device. ``_read`` appends
+each request's accepted tokens to its row, rolls back the computed tokens
+of the rejected ones and, for host proposers (n-gram, oracle), proposes
+from the tokens now known. The runner reads every older step before such a
+step and the engine core reads it before planning the next one, so no
+token is ever carried between a speculative step and its neighbours.
+
+``observe`` lets a device proposer see the tokens of every other step too,
+so its KV in the shared pool stays complete.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvserve.config import SpeculativeConfig
+from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvserve.host_copy import to_device
+from kvserve.sampling.rejection import verify_proposals
+from kvserve.sampling.sampler import SamplerOutput, SamplingBatch, forbidden_token_ids
+from kvserve.spec.ngram import NgramProposer
+from kvserve.spec.oracle import OracleProposer
+from kvserve.spec.proposer import ChainProposer, ProposerStep
+
+if TYPE_CHECKING:
+    from kvserve.worker.model_runner import ModelRunner, PendingStep, StepInputs
+
+
+@dataclass
+class SpecRecord:
+    """What reading a speculative step needs besides its host tensors."""
+
+    num_spec: np.ndarray  # [N] proposals verified per sampling request
+    num_draft: np.ndarray  # [N] proposals to make per sampling request
+    proposer_start: Any  # marks around the device proposer (None without one)
+    proposer_end: Any
+
+
+class SpecDecodeRunner:
+    """Verification and proposals for one ``ModelRunner``."""
+
+    def __init__(self, runner: ModelRunner, config: SpeculativeConfig,
+                 device_proposer: ChainProposer | None) -> None:
+        self.runner = runner
+        self.config = config
+        self.device_proposer = device_proposer
+        self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                      if config.method == "ngram" else None)
+        self.oracle = (OracleProposer(config.acceptance_rate, runner.model_config.vocab_size,
+                                      config.seed) if config.method == "oracle" else None)
+
+    @classmethod
+    def create(cls, runner: ModelRunner, config: SpeculativeConfig, path: str | None,
+               load_format: str) -> SpecDecodeRunner:
+        """Load the method's network, if it has one, beside the runner's model."""
+        proposer: ChainProposer | None = None
+        if config.method == "draft_model":
+            from kvserve.spec.draft_model import load_draft_proposer
+
+            assert path is not None, "SpeculativeConfig checks that a draft has a path"
+            proposer = load_draft_proposer(runner, path, load_format)
+        elif config.method == "eagle":
+            from kvserve.spec.eagle import load_eagle_proposer
+
+            assert path is not None, "SpeculativeConfig checks that a head has a path"
+            proposer = load_eagle_proposer(runner, Path(path))
+        return cls(runner, config, proposer)
+
+    # ------------------------------------------------------------ the pool
+
+    def kv_bytes_per_block(self) -> int:
+        return self.device_proposer.kv_bytes_per_block() if self.device_proposer else 0
+
+    def bind_kv_cache(self, num_blocks: int) -> None:
+        if self.device_proposer is not None:
+            self.device_proposer.bind_kv_cache(num_blocks)
+
+    def capture_graphs(self) -> None:
+        """CUDA graphs of the device proposer's chain steps (decode batch sizes)."""
+        if self.device_proposer is not None:
+            self.device_proposer.capture()
+
+    def on_finished(self, row: int) -> None:
+        """A request finished in ``row``: the oracle records its output."""
+        if self.oracle is not None:
+            batch = self.runner.batch
+            self.oracle.record(batch.prompt_token_ids(row), batch.output_token_ids(row))
+
+    # ------------------------------------------------------------ the step
+
+    def begin_step(self, out: SchedulerOutput) -> np.ndarray:
+        """Write the scheduled proposals past each request's known tokens;
+        the proposals per request, in the step's order."""
+        runner, batch = self.runner, self.runner.batch
+        num_spec = np.zeros(len(out.num_scheduled_tokens), dtype=np.int64)
+        for i, request_id in enumerate(out.num_scheduled_tokens):
+            proposals = out.scheduled_spec_token_ids.get(request_id)
+            if proposals:
+                row = runner.rows[request_id]
+                start = int(batch.num_tokens[row])
+                batch.token_ids[row, start:start + len(proposals)] = proposals
+                num_spec[i] = len(proposals)
+        return num_spec
+
+    def execute(self, inputs: StepInputs, out: SchedulerOutput,
+                num_spec: np.ndarray) -> PendingStep:
+        """Queue the step: forward, verification, device proposals, copies."""
+        from kvserve.worker.model_runner import PendingStep
+
+        runner, batch = self.runner, self.runner.batch
+        sample_idx = inputs.sample_indices
+        sample_rows = inputs.rows[sample_idx]
+        n = num_spec[sample_idx]
+        request_ids = inputs.sample_request_ids
+        num_draft = np.array([out.num_draft_tokens.get(r, 0) for r in request_ids],
+                             dtype=np.int64)
+        # rows of each sampling request's last token and its proposals
+        last = np.cumsum(inputs.num_scheduled)[sample_idx] - 1
+        first = last - n
+        counts = n + 1
+        row_start = np.cumsum(counts) - counts
+        flat = np.repeat(first - row_start, counts) + np.arange(int(counts.sum()))
+        sampling = self._verify_batch(sample_rows, request_ids, n, out)
+        # the proposals and row indices, in one host-to-device copy
+        num_reqs, max_n = len(request_ids), int(n.max(initial=0))
+        drafts = np.zeros((num_reqs, max_n), dtype=np.int64)
+        for i, request_id in enumerate(request_ids):
+            verified = out.scheduled_spec_token_ids.get(request_id, ())
+            drafts[i, :len(verified)] = verified
+        packed = to_device(np.concatenate([n, row_start, first, flat, drafts.ravel()]),
+                           torch.int64, runner.device)
+        small = packed[:3 * num_reqs].view(3, num_reqs)
+        flat_t = packed[3 * num_reqs:3 * num_reqs + len(flat)]
+        draft_ids = packed[3 * num_reqs + len(flat):].view(num_reqs, max_n)
+        start = runner._mark()
+        hidden, decode_out = runner._forward(inputs)
+        batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
+        if decode_out is not None:
+            logits = decode_out[0][flat_t]
+        else:
+            assert hidden is not None, "a step without a decode graph has its hidden states"
+            logits = runner.model.compute_logits(hidden[flat_t])
+        tokens, accepted_counts = self._verify(logits, sampling, sample_rows, draft_ids, small)
+        proposer_start = proposer_end = None
+        proposals = None
+        if self.device_proposer is not None:
+            proposer_start = runner._mark()
+            proposals = self.device_proposer.run(self._proposer_step(
+                inputs, hidden, tokens, accepted_counts, small[2], num_draft))
+            proposer_end = runner._mark()
+        # nothing of this step is carried into the next one (see the module doc)
+        if runner._last_sampled is not None:
+            runner._last_sample_index[runner._last_sampled[1]] = -1
+        runner._last_sampled = None
+        # the kept tokens then their count per request: one device-to-host copy
+        host = runner._copy_to_host(SamplerOutput(torch.cat([tokens, accepted_counts[:, None]],
+                                                            dim=1)))
+        if proposals is not None:
+            host += runner._copy_to_host(SamplerOutput(proposals))
+        record = SpecRecord(n, num_draft, proposer_start, proposer_end)
+        step = PendingStep(request_ids, sample_rows, batch.generation[sample_rows],
+                           batch.sampling.num_logprobs[sample_rows], host, start, runner._mark(),
+                           runner._read_oldest_step,
+                           inputs.decode_graph_size is not None
+                           or inputs.token_graph_size is not None,
+                           inputs.num_padding_tokens,
+                           lambda pending, output: self._read(pending, output, record))
+        runner._unread.append(step)
+        return step
+
+    def _verify(self, logits: torch.Tensor, sampling: SamplingBatch | None,
+                sample_rows: np.ndarray, draft_ids: torch.Tensor, small: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verified tokens ``[N, 1 + max n]`` and their counts ``[N]``."""
+        runner = self.runner
+        num_spec, row_start = small[0], small[1]
+        if sampling is None:  # every row argmax_only: no processing changes the argmax
+            return verify_proposals(draft_ids, num_spec, row_start, runner.sampler.argmax(logits),
+                                    None)
+        target_ids, target_probs = runner.sampler.process(logits.float(), sampling)
+        greedy = runner.batch.sampling.greedy[sample_rows]
+        greedy_mask = (to_device(greedy, torch.bool, runner.device)
+                       if greedy.any() and not greedy.all() else None)
+        generators = {}
+        if runner._generators:
+            index = {row: i for i, row in enumerate(sample_rows.tolist())}
+            generators = {index[row]: g for row, g in runner._generators.items() if row in index}
+        return verify_proposals(draft_ids, num_spec, row_start, target_ids, target_probs,
+                                greedy_mask, generators, use_triton=runner.sampler.use_triton)
+
+    def _verify_batch(self, sample_rows: np.ndarray, request_ids: list[str], n: np.ndarray,
+                      out: SchedulerOutput) -> SamplingBatch | None:
+        """The sampling settings of one row per verified position (None when
+        every request is ``argmax_only``): a position's penalties count the
+        proposals before it as outputs, and its ``min_tokens`` mask holds
+        while the outputs before it are fewer than ``min_tokens``."""
+        runner, batch = self.runner, self.runner.batch
+        if bool(batch.sampling.argmax_only[sample_rows].all()):
+            return None
+        counts = n + 1
+        prompts = outputs = None
+        if batch.sampling.has_penalties(sample_rows).any():
+            prompts, outputs = [], []
+            for i, row in enumerate(sample_rows.tolist()):
+                prompt, known = batch.prompt_token_ids(row), batch.output_token_ids(row)
+                proposals = out.scheduled_spec_token_ids.get(request_ids[i], [])
+                for j in range(int(counts[i])):
+                    prompts.append(prompt)
+                    outputs.append(known + proposals[:j])
+        forbidden: list[tuple[int, int]] = []
+        num_outputs = batch.num_tokens[sample_rows] - batch.num_prompt_tokens[sample_rows]
+        first = np.cumsum(counts) - counts
+        vocab_size = runner.model_config.vocab_size
+        for i in np.flatnonzero(num_outputs < batch.min_tokens[sample_rows]).tolist():
+            params = runner.states[request_ids[i]].sampling_params
+            for j in range(int(counts[i])):
+                forbidden += [(int(first[i]) + j, token_id) for token_id in forbidden_token_ids(
+                    params, int(num_outputs[i]) + j, (), vocab_size)]
+        return SamplingBatch.from_rows(batch.sampling.take(np.repeat(sample_rows, counts)),
+                                       prompts, outputs, forbidden, {}, runner.device)
+
+    # ------------------------------------------------------------ proposers
+
+    def _proposer_step(self, inputs: StepInputs, hidden: torch.Tensor | None,
+                       tokens: torch.Tensor, counts: torch.Tensor, first: torch.Tensor,
+                       num_draft: np.ndarray) -> ProposerStep:
+        """A device proposer's view of the step: the target's rows and
+        metadata, each sampling request's last kept row and added token."""
+        batch = self.runner.batch
+        input_ids, positions, metadata = self._step_rows(inputs)
+        ends = batch.num_computed_tokens[inputs.rows]  # after the step, before any rollback
+        next_ids = np.full(len(inputs.rows), -1, dtype=np.int64)
+        inside = ends < batch.num_tokens[inputs.rows]
+        next_ids[inside] = batch.token_ids[inputs.rows[inside], ends[inside]]
+        accepted = counts - 1
+        return ProposerStep(
+            input_ids=input_ids, positions=positions, metadata=metadata, hidden=hidden,
+            query_end=np.cumsum(inputs.num_scheduled), next_token_ids=next_ids,
+            sample_indices=inputs.sample_indices, last_index=first + accepted,
+            bonus_ids=tokens.gather(1, accepted.unsqueeze(1)).squeeze(1),
+            block_table=metadata.block_table, num_draft=num_draft)
+
+    def _step_rows(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The target step's input ids, positions and metadata (a graph's
+        over the whole padded buffers)."""
+        runner = self.runner
+        if inputs.metadata is not None:
+            assert inputs.input_ids is not None and inputs.positions is not None
+            return inputs.input_ids, inputs.positions, inputs.metadata
+        assert runner.graphs is not None, "a step without metadata replayed a graph"
+        b = runner.buffers
+        if inputs.decode_graph_size is not None:
+            size = inputs.decode_graph_size
+            return b.input_ids[:size], b.positions[:size], runner.graphs.decode_metadata(size)
+        assert inputs.token_graph_size is not None
+        size = inputs.token_graph_size
+        return b.input_ids[:size], b.positions[:size], runner.graphs.token_metadata(size)
+
+    def observe(self, inputs: StepInputs, hidden: torch.Tensor | None,
+                sampled: SamplerOutput | None) -> None:
+        """A plain step: a device proposer catches up on its tokens."""
+        if self.device_proposer is None:
+            return
+        num_sample = len(inputs.sample_indices)
+        last = to_device(np.cumsum(inputs.num_scheduled)[inputs.sample_indices] - 1,
+                         torch.int64, self.runner.device)
+        tokens = (sampled.sampled_token_ids if sampled is not None
+                  else torch.zeros(0, dtype=torch.int64, device=self.runner.device))
+        self.device_proposer.run(self._proposer_step(
+            inputs, hidden, tokens.unsqueeze(1),
+            torch.ones(num_sample, dtype=torch.int64, device=self.runner.device),
+            last, np.zeros(num_sample, dtype=np.int64)))
+
+    # ------------------------------------------------------------ reading
+
+    def _read(self, step: PendingStep, output: ModelRunnerOutput, record: SpecRecord) -> None:
+        """Append each request's kept tokens, roll back its rejected ones and
+        collect the next proposals."""
+        batch = self.runner.batch
+        tokens = step.host_tensors[0].numpy()  # [N, K + 2]: the tokens, then their count
+        counts = tokens[:, -1]
+        written = batch.generation[step.rows] == step.generations
+        block_size = self.runner.block_size
+        for i, request_id in enumerate(step.request_ids):
+            kept = tokens[i, :int(counts[i])].tolist()
+            output.sampled_token_ids[request_id] = kept
+            if written[i]:
+                row = int(step.rows[i])
+                batch.extend_tokens(row, kept)
+                num_computed = int(batch.num_computed_tokens[row]) - int(record.num_spec[i]) + (
+                    len(kept) - 1)
+                batch.num_computed_tokens[row] = num_computed
+                # the scheduler frees the same blocks (KVCacheManager.free_tail): those
+                # past the computed tokens, of rejected proposals and lookahead slots
+                batch.num_blocks[row] = min(int(batch.num_blocks[row]),
+                                            -(-num_computed // block_size))
+        if len(step.host_tensors) > 1:
+            proposals = step.host_tensors[1].numpy()
+            for b, i in enumerate(np.flatnonzero(record.num_draft > 0).tolist()):
+                output.spec_token_ids[step.request_ids[i]] = (
+                    proposals[b, :int(record.num_draft[i])].tolist())
+        elif self.ngram is not None or self.oracle is not None:
+            self._propose_on_host(step, record, written, output)
+        if record.proposer_start is not None:
+            output.proposer_s = _elapsed_s(record.proposer_start, record.proposer_end)
+            if not isinstance(record.proposer_start, float):  # CUDA events: back to the pool
+                self.runner._events += (record.proposer_start, record.proposer_end)
+
+    def _propose_on_host(self, step: PendingStep, record: SpecRecord, written: np.ndarray,
+                         output: ModelRunnerOutput) -> None:
+        batch = self.runner.batch
+        start = time.perf_counter()
+        for i in np.flatnonzero((record.num_draft > 0) & written).tolist():
+            row, num = int(step.rows[i]), int(record.num_draft[i])
+            if self.ngram is not None:
+                proposals = self.ngram.propose(batch.token_ids[row, :batch.num_tokens[row]], num)
+            else:
+                assert self.oracle is not None
+                proposals = self.oracle.propose(batch.prompt_token_ids(row),
+                                                batch.output_token_ids(row), num)
+            if proposals:
+                output.spec_token_ids[step.request_ids[i]] = proposals
+        output.proposer_s = time.perf_counter() - start
+
+
+def _elapsed_s(start: Any, end: Any) -> float:
+    """Seconds between two of the runner's marks (CUDA events or host clock)."""
+    if isinstance(start, float):
+        return end - start
+    return float(start.elapsed_time(end)) / 1e3

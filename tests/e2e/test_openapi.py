@@ -1,0 +1,61 @@
+"""The served OpenAPI document against the real server: it lists every
+route the app has, and a bounded schemathesis run (fixed seed, a few
+examples per operation, ``max_tokens`` and ``n`` clamped small) finds no
+server error, no undocumented status or content type, and no response that
+violates its schema."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from kvserve.server.api import build_app
+from kvserve.server.openapi import openapi_document
+from kvserve.server.state import ServerConfig, ServerState
+from tests.e2e.conftest import ServerProcess
+
+SCHEMA = schemathesis.openapi.from_dict(openapi_document())
+EXAMPLES_PER_OPERATION = 12
+SMALL = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "min_tokens": 0}
+
+
+def test_the_document_is_served_and_covers_every_route(serve_tiny: ServerProcess) -> None:
+    served = httpx.get(serve_tiny.url + "/openapi.json", timeout=10).json()
+    assert served == openapi_document()
+    app = build_app(ServerState(ServerConfig(served_model_names=["m"])))
+    routes = {route.path.replace(":path", "") for route in app.routes}  # type: ignore[attr-defined]
+    assert routes == set(served["paths"])
+
+
+def _clamp(body: Any) -> None:
+    """Keep generation cheap: small max_tokens / n, also when left out (a
+    value above what is allowed stays, so the 400 paths are still reached)."""
+    if not isinstance(body, dict):
+        return
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = SMALL["max_tokens"]  # chat's default is the rest of the context
+    for key, small in SMALL.items():
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and small < value <= 100:
+            body[key] = small
+
+
+@SCHEMA.parametrize()
+@settings(max_examples=EXAMPLES_PER_OPERATION, derandomize=True, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@pytest.mark.slow
+def test_fuzzed_requests_keep_the_contract(case: Any, serve_tiny: ServerProcess) -> None:
+    _clamp(case.body)
+    case.call_and_validate(base_url=serve_tiny.url, timeout=60, checks=[
+        not_a_server_error, status_code_conformance, content_type_conformance,
+        response_schema_conformance])

@@ -1,0 +1,128 @@
+"""The EAGLE head: its proposals in the engine equal a dense recomputation of
+the head on the request's tokens (so its KV at the target's block ids, its
+catch-up over every step and its chain are right), and
+``scripts/train_eagle_head.py`` trains, saves, reloads and measures a head
+on a tiny target (CPU, a few steps)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.spec.eagle import (
+    EagleHead,
+    eagle_head_config,
+    head_model_config,
+    load_eagle_head,
+    save_eagle_head,
+)
+from tests.conftest import make_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "train_eagle_head.py"
+PROMPTS = [[5, 17, 99, 3, 250, 7, 42], [300, 12, 8, 8, 8, 19, 77, 1, 64], [11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_eagle_head", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("target"), with_tokenizer=True)
+
+
+def dense_proposals(script: ModuleType, reference: Any, head: EagleHead, tokens: list[int],
+                    num: int) -> list[int]:
+    """The head's chain on ``tokens`` recomputed from scratch with dense
+    attention and transformers' target features."""
+    with torch.no_grad():
+        ids = torch.tensor([tokens])
+        features = reference.model(input_ids=ids).last_hidden_state[0]  # f_0 .. f_m
+        last = len(tokens) - 1
+        inputs = list(tokens[1:])  # x_{t+1} for rows t = 0 .. last - 1
+        feats = [features[t] for t in range(last)]
+        proposals: list[int] = []
+        for _ in range(num):
+            embeds = reference.model.embed_tokens(torch.tensor([inputs]))
+            out = script.head_forward(head, embeds, torch.stack(feats).unsqueeze(0), 0)[0, -1]
+            proposals.append(int(reference.lm_head(out).argmax()))
+            inputs.append(proposals[-1])
+            feats.append(out)
+    return proposals
+
+
+def test_eagle_proposals_match_a_dense_reference(script: ModuleType, target: Path,
+                                                 tmp_path: Path) -> None:
+    import transformers
+
+    config = eagle_head_config(json.loads((target / "config.json").read_text()))
+    torch.manual_seed(1)
+    head = EagleHead(head_model_config(config, "test"))
+    with torch.no_grad():
+        for param in head.parameters():
+            param.normal_(0.0, 0.15) if param.dim() > 1 else param.fill_(1.0)
+    save_eagle_head(head, config, tmp_path / "head")
+    llm = LLM(model=str(target), block_size=4, num_kv_blocks=40, max_num_batched_tokens=8,
+              speculative_config={"method": "eagle", "model": str(tmp_path / "head"),
+                                  "num_speculative_tokens": 3, "auto_disable": False})
+    runner: Any = llm.engine.core.executor
+    seen: list[tuple[list[int], list[int]]] = []
+    read = runner.spec._read
+
+    def spy(step: Any, output: Any, record: Any) -> None:
+        read(step, output, record)
+        for request_id, proposals in output.spec_token_ids.items():
+            row = runner.rows[request_id]
+            seen.append((runner.batch.token_ids[row, :runner.batch.num_tokens[row]].tolist(),
+                         proposals))
+
+    runner.spec._read = spy
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(target).eval()
+    dense = load_eagle_head(tmp_path / "head", torch.device("cpu"), torch.float32)
+    attn = dense.layer.self_attn
+    attn.attn = script.DenseCausalAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                            attn.head_dim ** -0.5)
+    assert len(seen) > 10
+    for tokens, proposals in seen:
+        assert dense_proposals(script, reference, dense, tokens, len(proposals)) == proposals
+
+
+@pytest.mark.slow
+def test_train_eagle_head_toy_run(target: Path, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        body = "\n".join(f"def f{i}_{j}(x, y):\n    return x * {j} + y\n" for j in range(60))
+        (corpus / f"module_{i}.py").write_text(body)
+    out = tmp_path / "head"
+    subprocess.run([sys.executable, str(SCRIPT), "--toy", "--target", str(target),
+                    "--corpus-dir", str(corpus), "--out", str(out)], check=True, cwd=REPO)
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["train"]["steps"] == 3 and len(log["heldout_agreement"]) == 2
+    assert 0.0 <= log["engine"]["eagle"]["acceptance_rate"] <= 1.0
+    assert log["engine"]["eagle"]["mean_accepted_length"] >= 1.0
+    assert "mean accepted length" in (out / "README.md").read_text()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model=str(target)).generate(PROMPTS, params, use_tqdm=False)
+    spec = LLM(model=str(target), speculative_config={
+        "method": "eagle", "model": str(out), "num_speculative_tokens": 2,
+        "auto_disable": False}).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
