@@ -101,7 +101,7 @@ def build_kv_cache_dtypes() -> None:
     q_pointers.update({name: "*i32" for name in (
         "semaphore_ptr", "query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")})
     q_pointers |= {"slot_mapping_ptr": "*i64", "positions_ptr": "*i64"}
-    for name, (cache, mode) in KV_CACHES.items():
+    for cache, mode in KV_CACHES.values():
         pointers = q_pointers | {"k_cache_ptr": cache, "v_cache_ptr": cache}
         for pdl, fuse_rope in itertools.product((False, True), (False, True)):
             build(decode_attention_kernel, pointers, dict(

@@ -111,4 +111,4 @@ class KVScaleReader:
                     )
         for layer, attention in self.layers.items():  # this rank's layers and KV heads
             attention.checkpoint_kv_scales = torch.stack(
-                [self.scales[layer, "k"][1][self.kv_heads], self.scales[layer, "v"][1][self.kv_heads]])
+                [self.scales[layer, kind][1][self.kv_heads] for kind in ("k", "v")])

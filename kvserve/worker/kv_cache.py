@@ -26,7 +26,6 @@ would).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -255,22 +254,34 @@ def _describe(dtype: torch.dtype) -> str:
 
 
 def allocate_kv_scales(
-    spec: KVCacheSpec, dtype: torch.dtype, num_blocks: int, block_size: int,
-    device: torch.device, checkpoint_scales: Sequence[torch.Tensor | None],
+    spec: KVCacheSpec, model: nn.Module, dtype: torch.dtype, num_blocks: int, block_size: int,
+    device: torch.device,
 ) -> list[torch.Tensor] | None:
     """Per-layer scales of a cache of ``dtype`` with ``num_blocks`` blocks (the
     null block included), or None for a 16- or 32-bit cache. fp8: each
-    layer's ``checkpoint_scales`` ([2, num_kv_heads], from the loader), or
-    1.0 where it has none; int8: zeros, written with the values."""
+    attention layer's ``checkpoint_kv_scales`` ([2, num_kv_heads], from the
+    loader), or 1.0 where it has none; int8: zeros, written with the values."""
     if dtype == torch.int8:
         shape = (2, num_blocks, block_size, spec.num_kv_heads)
         return [torch.zeros(shape, dtype=SCALE_DTYPE, device=device)
                 for _ in range(spec.num_layers)]
     if dtype == torch.float8_e4m3fn:
         ones = torch.ones((2, spec.num_kv_heads), dtype=SCALE_DTYPE)
-        return [(ones if scales is None else scales).to(device=device, dtype=SCALE_DTYPE)
-                for scales in checkpoint_scales]
+        return [(ones if layer.checkpoint_kv_scales is None else layer.checkpoint_kv_scales)
+                .to(device=device, dtype=SCALE_DTYPE) for layer in get_attention_layers(model)]
     return None
+
+
+def log_kv_scales(model: nn.Module, dtype: torch.dtype) -> None:
+    """Say where an fp8 cache's scales come from, or that a checkpoint's go unused."""
+    has_scales = any(layer.checkpoint_kv_scales is not None
+                     for layer in get_attention_layers(model))
+    if dtype == torch.float8_e4m3fn:
+        logger.info("fp8 KV cache scales: %s", "the checkpoint's k/v scales"
+                    if has_scales else "1.0 (the checkpoint has none)")
+    elif has_scales:
+        logger.info("the checkpoint's k/v scales are unused: they serve kv_cache_dtype="
+                    "'fp8_e4m3', not a %s cache", _describe(dtype))
 
 
 def allocate_scratch_kv_caches(

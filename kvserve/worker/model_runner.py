@@ -62,7 +62,7 @@ from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.distributed.parallel_state import ParallelState, building
-from kvserve.layers.attention import bind_kv_cache, get_attention_layers
+from kvserve.layers.attention import bind_kv_cache
 from kvserve.layers.custom_ops import set_triton_ops
 from kvserve.lora.manager import LoRAManager
 from kvserve.lora.request import LoRARequest
@@ -88,6 +88,7 @@ from kvserve.worker.kv_cache import (
     check_weights_fit,
     determine_num_blocks,
     kv_cache_dtype,
+    log_kv_scales,
 )
 from kvserve.worker.spec_decode import SpecDecodeRunner
 from kvserve.worker.structured_output import GrammarMatchers
@@ -329,27 +330,24 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(spec, num_blocks, cache, sched, self.device,
                                             kv_dtype, model_dtype=self.dtype)
         self.num_kv_blocks = num_blocks
-        self.kv_scales = self._allocate_kv_scales(num_blocks + 1)
-        self._log_kv_scales()
+        self.kv_scales = allocate_kv_scales(spec, self.model, kv_dtype, num_blocks + 1,
+                                            self.block_size, self.device)
+        log_kv_scales(self.model, kv_dtype)
         bind_kv_cache(self.model, self.kv_caches, self.backend, self.kv_scales)
         if self.spec is not None:
             self.spec.bind_kv_cache(self.num_kv_blocks + 1)
 
-    def _allocate_kv_scales(self, num_blocks: int) -> list[torch.Tensor] | None:
-        """Scales for a quantised cache of ``num_blocks`` blocks (``kv_cache.py``)."""
-        checkpoint = [layer.checkpoint_kv_scales for layer in get_attention_layers(self.model)]
-        return allocate_kv_scales(self.kv_spec, self.kv_cache_dtype, num_blocks,
-                                  self.block_size, self.device, checkpoint)
+    def shutdown(self, kill: bool = False) -> None:
+        """Nothing to stop: the runner lives in the engine's process."""
 
-    def _log_kv_scales(self) -> None:
-        has_scales = any(layer.checkpoint_kv_scales is not None
-                         for layer in get_attention_layers(self.model))
-        if self.kv_cache_dtype == torch.float8_e4m3fn:
-            logger.info("fp8 KV cache scales: %s", "the checkpoint's k/v scales"
-                        if has_scales else "1.0 (the checkpoint has none)")
-        elif has_scales:
-            logger.info("the checkpoint's k/v scales are unused: they serve "
-                        "kv_cache_dtype='fp8_e4m3', not '%s'", self.cache_config.kv_cache_dtype)
+    def append_known_tokens(self, token_ids: dict[str, list[int]]) -> None:
+        """Append tokens the last pipeline stage sampled to the requests' rows (a
+        stage before the last learns them from the executor); a request this
+        runner no longer holds is passed over."""
+        for request_id, tokens in token_ids.items():
+            row = self.rows.get(request_id)
+            for token_id in tokens if row is not None else ():
+                self.batch.append_tokens(np.array([row]), np.array([token_id]))
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check a PEFT adapter (ValueError naming what does not fit)."""
@@ -391,7 +389,8 @@ class ModelRunner:
         num_tokens, num_reqs = sum(query_lens), len(query_lens)
         scratch = allocate_scratch_kv_caches(self.kv_spec, self.cache_config, self.device,
                                              self.kv_cache_dtype)
-        bind_kv_cache(self.model, scratch, self.backend, self._allocate_kv_scales(2))
+        bind_kv_cache(self.model, scratch, self.backend, allocate_kv_scales(
+            self.kv_spec, self.model, self.kv_cache_dtype, 2, self.block_size, self.device))
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(self.device)

@@ -75,9 +75,10 @@ def test_pool_holds_about_twice_the_tokens(
 ) -> None:
     config, _ = resolve_model_config(str(tiny_checkpoint("llama")))
     scheduler = SchedulerConfig(max_num_seqs=4096, max_model_len=128)
+    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim)
     blocks = {
         name: determine_num_blocks(
-            KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim), CacheConfig(kv_cache_dtype=name, cpu_kv_cache_bytes=1 << 22), scheduler,
+            spec, CacheConfig(kv_cache_dtype=name, cpu_kv_cache_bytes=1 << 22), scheduler,
             torch.device("cpu"), kv_cache_dtype_of(CacheConfig(kv_cache_dtype=name),
                                                    torch.float16))
         for name in ("auto", kv_cache_dtype)
