@@ -124,6 +124,20 @@ def test_batch_chunks_prefix_cache_and_preemption_change_nothing(
     assert tight.stats()["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_speculative_decoding_verifies_on_the_quantised_cache(
+    kv_cache_dtype: str, tiny_checkpoint: Callable[[str], Path],
+    reference_tokens: dict[str, list[list[int]]],
+) -> None:
+    """The verify step (1 + k tokens a request) reads and writes the same
+    quantised cache: greedy tokens equal decoding without speculation."""
+    llm = LLM(model=str(tiny_checkpoint("llama")), kv_cache_dtype=kv_cache_dtype, block_size=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1, "auto_disable": False})
+    assert token_ids(llm, PROMPTS) == reference_tokens[kv_cache_dtype]
+    assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+
+
 def test_quantised_caches_stay_close_to_the_16_bit_one(
     reference_tokens: dict[str, list[list[int]]],
 ) -> None:

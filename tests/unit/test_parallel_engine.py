@@ -18,6 +18,7 @@ torch; later ones start in about a second.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.worker.multiproc_executor import WorkerFailedError
@@ -134,6 +137,28 @@ def test_quantised_weights_split_like_one_process(
     path = tiny_checkpoint("llama")  # o_proj / down_proj inputs: 32 / 64 columns a rank
     one = LLM(model=str(path), device="cpu", block_size=4, quantization=quantization)
     check_split_engine(path, 2, 1, token_ids(one), started, quantization=quantization)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_quantised_kv_cache_splits_like_one_process(
+    kv_cache_dtype: str, tiny_checkpoint: Callable[[str], Path], tmp_path: Path,
+    started: list[LLM],
+) -> None:
+    """Each rank quantises its own KV heads into its own pool; an fp8 cache
+    takes its heads' share of the checkpoint's per-head scales."""
+    path = tiny_checkpoint("llama")  # 2 KV heads: one a rank
+    if kv_cache_dtype == "fp8_e4m3":
+        target = tmp_path / "scaled"
+        shutil.copytree(path, target)
+        tensors = load_file(str(path / "model.safetensors"))
+        for layer in range(2):
+            # far apart, so a rank given the other head's scales would change the tokens
+            tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor([1.0, 0.002])
+            tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([0.002, 1.0])
+        save_file(tensors, str(target / "model.safetensors"))
+        path = target
+    one = LLM(model=str(path), device="cpu", block_size=4, kv_cache_dtype=kv_cache_dtype)
+    check_split_engine(path, 2, 1, token_ids(one), started, kv_cache_dtype=kv_cache_dtype)
 
 
 def test_lora_adapters_split_like_one_process(
