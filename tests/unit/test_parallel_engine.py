@@ -5,7 +5,8 @@ process's greedy tokens on tiny checkpoints of every architecture (odd and
 replicated KV heads, a tied head, a sliding window, q/k/v bias, q/k norm),
 under stress: prefill chunks of a few tokens, a KV pool small enough to
 preempt, prompts sharing a prefix (cache hits), async scheduling on and off
-(on is the default with workers), INT8 and INT4 weights, LoRA adapters, seeded
+(on is the default with workers), INT8, INT4 and FP8 weights, an fp8 or int8
+KV cache, LoRA adapters, seeded
 sampling. Also: the split is checked before any process starts, a worker's
 ValueError at start-up is the engine's, a worker killed with SIGKILL
 fails the engine (every later call too) and leaves no process behind, and
@@ -130,7 +131,7 @@ def test_synchronous_scheduling_and_seeded_sampling(
     assert token_ids(llm, sampled) == token_ids(one, sampled)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4-g32"])
+@pytest.mark.parametrize("quantization", ["int8", "int4-g32", "fp8"])
 def test_quantised_weights_split_like_one_process(
     quantization: str, tiny_checkpoint: Callable[[str], Path], started: list[LLM]
 ) -> None:

@@ -10,7 +10,8 @@ only) and ``{module}.perm`` (act-order only); scales and zeros in the
 model's dtype. Every other tensor passes through as it came (norms,
 embeddings, biases, the 16-bit ``weight`` of ignored linears). A config
 without a checkpoint format rounds each quantised linear's 16-bit
-``weight`` to nearest here instead. It knows module names only through
+``weight`` to nearest here instead (FP8: e4m3 values and float32
+per-channel scales, ``quant/fp8.py``). It knows module names only through
 ``is_linear``; it never touches the model.
 """
 
@@ -25,6 +26,7 @@ from kvserve.quant.formats.awq import AWQ
 from kvserve.quant.formats.compressed_tensors import COMPRESSED_TENSORS
 from kvserve.quant.formats.gptq import GPTQ
 from kvserve.quant.formats.tensors import CheckpointFormat, Parts
+from kvserve.quant.fp8 import quantize_weight as quantize_fp8_weight
 from kvserve.quant.packing import QuantizedWeight, quantize_rtn
 
 FORMATS: dict[str, CheckpointFormat] = {
@@ -120,6 +122,11 @@ def _round_to_nearest(
             continue
         if device is not None:
             tensor = tensor.to(device)
+        if config.weight_type == "fp8":  # e4m3 values and float32 per-channel scales
+            qweight, scales = quantize_fp8_weight(tensor)
+            yield f"{module}.qweight", qweight
+            yield f"{module}.scales", scales
+            continue
         qw = quantize_rtn(tensor, config.bits, config.group_size, config.symmetric,
                           scale_dtype=dtype)
         yield from packed_tensors(module, qw, config, dtype)
