@@ -16,8 +16,9 @@ Calibration text (GPTQ, AWQ) is the train split's files of the same stdlib
 only, the same windows for every method (``--num-samples`` x ``--seq-len``,
 ``--seed``).
 
-Every configuration but ``bf16`` is a checkpoint written by ``kvserve
-quantize`` (compressed-tensors); every row, ``bf16`` included, is scored by
+Every configuration but ``bf16`` and ``fp8`` (FP8 W8A8 rounded at load, as
+``--quantization fp8``: the torch reference's arithmetic) is a checkpoint
+written by ``kvserve quantize`` (compressed-tensors); every row, ``bf16`` included, is scored by
 kvserve's own model: its linears hold the run's ``QuantizedWeight``s
 (kvserve's packed layout, the layer seam's weight-only method, torch
 reference on the CPU) and its other tensors are read from the written
@@ -55,7 +56,7 @@ from kvserve.layers.attention import bind_kv_cache
 from kvserve.models.loader import load_model
 from kvserve.models.registry import CausalLM, get_model_class
 from kvserve.models.source import resolve_model_config
-from kvserve.quant.config import QuantConfig
+from kvserve.quant.config import QuantConfig, quantize_at_load
 from kvserve.quant.methods import LinearMethod
 from kvserve.quantize.options import QuantizeOptions
 from kvserve.quantize.pipeline import QuantizeResult, quantize_checkpoint
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=default_model_path())
     parser.add_argument("--stdlib", type=Path, default=DEFAULT_STDLIB)
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
-                        choices=["bf16", *CONFIGS])
+                        choices=["bf16", "fp8", *CONFIGS])
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_DTYPES),
                         help="score each configuration with each KV cache dtype")
     parser.add_argument("--num-samples", type=int, default=32)
@@ -236,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.configs:
             start = time.perf_counter()
             row: dict[str, Any] = {"config": name}
-            if name == "bf16":
-                model = load_model(config, args.model, "auto", torch.float32, "cpu")
+            if name in ("bf16", "fp8"):  # fp8: W8A8 quantised at load (--quantization fp8)
+                quant = quantize_at_load("fp8") if name == "fp8" else None
+                model = load_model(dataclasses.replace(config, quantization=quant), args.model,
+                                   "auto", torch.float32, "cpu")
                 row["checkpoint_bytes"] = (args.model / "model.safetensors").stat().st_size
             else:
                 method, bits, group_size, symmetric, act_order = CONFIGS[name]

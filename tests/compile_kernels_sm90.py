@@ -8,7 +8,7 @@ from all of its branches), which the interpreter does not enforce. The
 quantised GEMMs are built with their inline PTX and with the 16-byte
 alignment hints a real launch specialises on (``build_quant_matmul``); the
 attention kernels and KV writes for each KV cache dtype (16-bit, fp8, int8:
-``build_kv_cache_dtypes``)."""
+``build_kv_cache_dtypes``); the FP8 per-token quantiser of the W8A8 linears."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kvserve.kernels.fp8_quant import per_token_quant_fp8_kernel
 from kvserve.kernels.paged_attention import decode_attention_kernel, prefill_attention_kernel
 from kvserve.kernels.quant_matmul_kernels import (
     quant_dequant_kernel,
@@ -164,6 +165,11 @@ def main() -> None:
     build(store_kv_kernel, kv_pointers, dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
                                              KV_QUANT=0), ())
     build_kv_cache_dtypes()
+    for dtype, (block, one_pass) in itertools.product(("*bf16", "*fp16", "*fp32"),
+                                                      ((4096, True), (4096, False))):
+        build(per_token_quant_fp8_kernel, {"x_ptr": dtype, "out_ptr": "*fp8e4nv",
+                                           "scale_ptr": "*fp32"},
+              dict(BLOCK=block, ONE_PASS=one_pass), (), num_warps=8)
     build_quant_matmul()
     print("compiled for sm_90")
 
