@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 WEIGHT_BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128, -1)  # -1: one group per output row (per channel)
-CHECKPOINT_FORMATS = ("gptq", "gptq_v2", "awq", "compressed-tensors")
+# "fp8": HF's quant_method fp8 (e4m3 weight + weight_scale)
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2", "awq", "compressed-tensors", "fp8")
 # --quantization values that round a 16-bit checkpoint at load: (bits, group size)
 QUANTIZE_AT_LOAD = {
     "int8": (8, -1), "int4": (4, 128), "int4-g32": (4, 32), "int4-g64": (4, 64),
