@@ -366,9 +366,9 @@ def _ct_scheme(scheme: dict[str, Any], path: str) -> QuantConfig:
     for field in ("input_activations", "output_activations"):
         if scheme.get(field) is not None:
             raise ValueError(
-                f"{_FIELD}.{path}.{field}={scheme[field]!r} is not supported: W8A8 / FP8 "
+                f"{_FIELD}.{path}.{field}={scheme[field]!r} is not supported: INT8 W8A8 "
                 "activation quantisation is not supported yet (allowed: null, weight-only "
-                "W4A16 / W8A16)")
+                "W4A16 / W8A16; FP8 W8A8 comes as format float-quantized)")
     weights = scheme.get("weights")
     if not isinstance(weights, dict):
         raise _bad(f"{path}.weights", weights, "a weight quantisation object")
