@@ -16,8 +16,9 @@ against the torch reference reading the same cache (relative error < 1e-2).
 (random weights, ``--load-format dummy``, bf16): decode at ``--batch``
 requests of ``--context`` tokens (prompt ``context - 128``, 128 new: the
 decode tokens/s and TPOT), and W1 with a ``--long-prompt``-token prompt
-(256 new) on ``--long-model``; plus the KV pool's token capacity each
-engine logged (``kv_blocks_total`` x block size). A configuration that does
+(256 new) on ``--long-model``; first the KV pool's token capacity
+(``kv_blocks_total`` x block size) of an engine allowed ``CAPACITY_SEQS``
+requests of ``--context`` tokens, so memory, not the sequence budget, sizes it. A configuration that does
 not fit the card (bf16 at batch 64 x 8k needs ~69 GB of KV on llama-3-8b:
 an H200, not an H100) is recorded with its error and the run goes on.
 Prints a table and writes JSON.
@@ -45,6 +46,7 @@ ROTATION_BYTES = 256 << 20
 GRAPH_CALLS = 32
 MAX_ERROR = 1e-2
 NEW_TOKENS = 128
+CAPACITY_SEQS = 2048
 
 
 def metadata(batch: int, context: int, first_block: int) -> AttentionMetadata:
@@ -128,14 +130,15 @@ def kernel_rows(copy_gb_s: float) -> list[dict[str, Any]]:
 
 
 def bench_latency(model: str, kv_cache_dtype: str, batch: int, input_len: int,
-                  output_len: int, max_model_len: int, iters: int) -> dict[str, Any]:
+                  output_len: int, max_model_len: int, iters: int,
+                  max_num_seqs: int) -> dict[str, Any]:
     """One ``kvserve bench latency`` run in its own process: its JSON, or the error."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "latency.json"
         cmd = [sys.executable, "-m", "kvserve.cli", "bench", "latency", "--model", model,
                "--load-format", "dummy", "--dtype", "bfloat16", "--kv-cache-dtype",
                "auto" if kv_cache_dtype == "bf16" else kv_cache_dtype,
-               "--batch-size", str(batch), "--max-num-seqs", str(max(batch, 1)),
+               "--batch-size", str(batch), "--max-num-seqs", str(max_num_seqs),
                "--input-len", str(input_len), "--output-len", str(output_len),
                "--max-model-len", str(max_model_len), "--num-iters", str(iters),
                "--num-iters-warmup", "1", "--disable-tqdm", "--output-json", str(out)]
@@ -149,14 +152,17 @@ def bench_latency(model: str, kv_cache_dtype: str, batch: int, input_len: int,
 def engine_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     workloads = [
-        ("decode", args.model, args.batch, args.context - NEW_TOKENS, NEW_TOKENS, args.context),
-        ("w1-long", args.long_model, 1, args.long_prompt, 256, args.long_prompt + 256),
+        # the pool as memory sizes it: max_num_seqs far above what fits, so it is no cap
+        ("capacity", args.model, 1, 128, 16, args.context, CAPACITY_SEQS),
+        ("decode", args.model, args.batch, args.context - NEW_TOKENS, NEW_TOKENS, args.context,
+         args.batch),
+        ("w1-long", args.long_model, 1, args.long_prompt, 256, args.long_prompt + 256, 1),
     ]
-    for workload, model, batch, input_len, output_len, max_len in workloads:
+    for workload, model, batch, input_len, output_len, max_len, seqs in workloads:
         base = None
         for name in KV_DTYPES:
             result = bench_latency(model, name, batch, input_len, output_len, max_len,
-                                   args.num_iters)
+                                   args.num_iters, seqs)
             row: dict[str, Any] = {"workload": workload, "model": model, "batch": batch,
                                    "input_len": input_len, "output_len": output_len,
                                    "kv_cache_dtype": name}
