@@ -18,9 +18,10 @@ requests of ``--context`` tokens (prompt ``context - 128``, 128 new: the
 decode tokens/s and TPOT), and W1 with a ``--long-prompt``-token prompt
 (256 new) on ``--long-model``; first the KV pool's token capacity
 (``kv_blocks_total`` x block size) of an engine allowed ``CAPACITY_SEQS``
-requests of ``--context`` tokens, so memory, not the sequence budget, sizes it. A configuration that does
-not fit the card (bf16 at batch 64 x 8k needs ~69 GB of KV on llama-3-8b:
-an H200, not an H100) is recorded with its error and the run goes on.
+requests of ``--context`` tokens, so memory, not the sequence budget, sizes
+it. A configuration that does not fit the card (bf16 at batch 64 x 8k needs
+~69 GB of KV on llama-3-8b: an H200, not an H100) is recorded with its error
+and the run goes on.
 Prints a table and writes JSON.
 """
 
