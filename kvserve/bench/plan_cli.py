@@ -66,7 +66,7 @@ measured copy and matmul rates (docs/plan.md). Byte figures are per GPU
 predicted beside measured; --sweep does it over batch x context and prompt
 lengths; --calibrate measures this machine's card once and caches it.
 """
-MEASURABLE_WEIGHTS = {"bf16": None, "fp16": None, "int8": "int8", "int4": "int4"}
+MEASURABLE_WEIGHTS = {"bf16": None, "fp16": None, "int8": "int8", "int4": "int4", "fp8": "fp8"}
 
 
 def _number(kind: Callable[[str], Any], low: float, low_ok: bool = True,
