@@ -160,6 +160,8 @@ def engine_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         ("w1-long", args.long_model, 1, args.long_prompt, 256, args.long_prompt + 256, 1),
     ]
     for workload, model, batch, input_len, output_len, max_len, seqs in workloads:
+        if workload not in args.workloads:
+            continue
         base = None
         for name in KV_DTYPES:
             result = bench_latency(model, name, batch, input_len, output_len, max_len,
@@ -200,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="W1's model (needs the long prompt's positions)")
     parser.add_argument("--long-prompt", type=int, default=32768)
     parser.add_argument("--num-iters", type=int, default=2)
+    parser.add_argument("--workloads", nargs="+", default=["capacity", "decode", "w1-long"],
+                        choices=["capacity", "decode", "w1-long"],
+                        help="the engine part's runs (each takes 1-3 minutes per KV dtype)")
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
