@@ -294,7 +294,7 @@ def test_resolve_errors_name_both_sides() -> None:
 
 def test_choices_constant_and_no_torch_import() -> None:
     assert QUANTIZATION_CHOICES == ("gptq", "awq", "compressed-tensors", "int8", "int4",
-                                    "int4-g32", "int4-g64", "int4-g128")
+                                    "int4-g32", "int4-g64", "int4-g128", "fp8")
     code = ("import sys, kvserve.quant.formats; "
             "assert 'torch' not in sys.modules, 'quant.formats imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
