@@ -9,13 +9,15 @@ it), function tools give ``function_call`` items whose results go back as
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Union
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import TypeAdapter
 
+from kvserve.server.responses_protocol import STREAM_EVENTS, ResponseObject
 from tests.e2e.conftest import MODEL_NAME, ServerProcess
 
 SCHEMA: dict[str, Any] = {
@@ -94,6 +96,23 @@ def test_stream_events_add_up(serve_tiny: ServerProcess) -> None:
     assert final.usage.input_tokens_details.cached_tokens > 0
     assert (final.usage.input_tokens, final.usage.output_tokens) == (
         whole.usage.input_tokens, whole.usage.output_tokens)
+
+
+def test_raw_bodies_match_the_documented_models(serve_tiny: ServerProcess) -> None:
+    """What the OpenAPI document says of a response and each event (with
+    and without tools), checked on the raw bodies; the stream has no [DONE]."""
+    events = TypeAdapter(Union[tuple(STREAM_EVENTS)])  # noqa: UP007
+    for extra in ({}, {"tools": [TIME_TOOL], "tool_choice": "required"}):
+        body = {"model": MODEL_NAME, "input": "x", "max_output_tokens": 30, **extra}
+        reply = httpx.post(serve_tiny.url + "/v1/responses", json=body, timeout=60)
+        ResponseObject.model_validate(reply.json())
+        with httpx.stream("POST", serve_tiny.url + "/v1/responses",
+                          json={**body, "stream": True}, timeout=60) as stream:
+            lines = [line for line in stream.iter_lines() if line]
+        for name, data in zip(lines[::2], lines[1::2], strict=True):
+            event = json.loads(data.removeprefix("data: "))
+            assert name == "event: " + event["type"]
+            events.validate_python(event)
 
 
 def test_text_format_and_stream_helper(serve_tiny: ServerProcess) -> None:
