@@ -131,7 +131,11 @@ class Scheduler:
                 f"{self.kv_manager.num_blocks_needed(total)} KV blocks; the pool has {usable}"
             )
         request.max_num_tokens = total
-        if self.spec_policy is not None and request.sampling_params.logprobs is None:
+        # logprobs and grammars are computed for sampled tokens only: such requests decode
+        # one token a step (in a verifying step their row is sampled like a plain one)
+        params = request.sampling_params
+        if (self.spec_policy is not None and params.logprobs is None
+                and params.structured_output is None):
             request.max_spec_tokens = self.spec_policy.max_k
         self.requests[request.request_id] = request
         if request.prompt_logprobs is not None and not request.awaits_prompt_logprobs:

@@ -38,6 +38,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from kvserve.server.responses import add_routes as add_responses_routes
 from kvserve.server.serving import OpenAIServing, read_body
 from kvserve.server.state import ServerState
 
@@ -141,6 +142,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
+    add_responses_routes(app, state)
 
     @app.get("/health")
     async def health() -> Response:

@@ -26,6 +26,7 @@ from kvserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvserve.server.responses_protocol import STREAM_EVENTS, ResponseObject, ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
@@ -219,10 +220,11 @@ _MODELS: list[type[BaseModel]] = [
     CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
     ErrorResponse, CompletionResponse, ChatCompletionResponse, ChatCompletionChunk, ModelList,
     ModelCard, Status, Version, TokenizeResponse, DetokenizeResponse, TokenizerInfo,
+    ResponsesRequest, ResponseObject, *STREAM_EVENTS,
 ]
 _ERRORS = {400: "invalid request (the error's param names the field)",
            401: "missing or wrong API key (when the server has keys)",
-           404: "unknown model", 413: "body above the server's limit",
+           404: "unknown model (or stored response)", 413: "body above the server's limit",
            503: "loading, draining, or the queue is full (Retry-After)"}
 
 
@@ -262,6 +264,27 @@ def _generation(summary: str, body: type[BaseModel], response: type[BaseModel],
     return {"post": _operation(summary, ok, body, (400, 401, 404, 413, 503))}
 
 
+def _responses_paths() -> dict[str, Any]:
+    """``/v1/responses``: a Response object, or typed events (``event:``
+    names the type its ``data`` carries; no ``[DONE]``); GET one stored."""
+    events = {"anyOf": [_ref(model) for model in STREAM_EVENTS]}
+    ok = {"description": "the response; with stream=true, server-sent events "
+                         "`event: <type>` + `data: <event>`",
+          "content": {"application/json": {"schema": _ref(ResponseObject)},
+                      "text/event-stream": {"itemSchema": {
+                          "type": "object", "required": ["data"],
+                          "properties": {"event": {"type": "string"}, "data": {
+                              "contentMediaType": "application/json",
+                              "contentSchema": events}}}}}}
+    retrieve = _operation("a stored response", _json(ResponseObject, "the response"),
+                          errors=(401, 404))
+    retrieve["parameters"] = [{"name": "response_id", "in": "path", "required": True,
+                               "schema": {"type": "string"}}]
+    return {"/v1/responses": {"post": _operation("a response (OpenAI's Responses API)", ok,
+                                                 ResponsesRequest, (400, 401, 404, 413, 503))},
+            "/v1/responses/{response_id}": {"get": retrieve}}
+
+
 @functools.cache
 def openapi_document() -> dict[str, Any]:
     """The whole document (built once; the same for every server)."""
@@ -272,6 +295,7 @@ def openapi_document() -> dict[str, Any]:
                                        CompletionResponse, CompletionResponse),
         "/v1/chat/completions": _generation("chat completion", ChatCompletionRequest,
                                             ChatCompletionResponse, ChatCompletionChunk),
+        **_responses_paths(),
         "/v1/models": {"get": _operation("served models and LoRA adapters",
                                          _json(ModelList, "the models"), errors=(401,))},
         "/v1/models/{model_id}": {"get": {
@@ -301,7 +325,8 @@ def openapi_document() -> dict[str, Any]:
     return {
         "openapi": "3.2.0",
         "info": {"title": "kvserve", "version": __version__,
-                 "description": "OpenAI-compatible completions and chat completions"},
+                 "description": "OpenAI-compatible completions, chat completions "
+                                "and responses"},
         "paths": paths,
         "components": {"schemas": definitions["$defs"], "securitySchemes": {
             "bearer": {"type": "http", "scheme": "bearer"}}},

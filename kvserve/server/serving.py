@@ -676,7 +676,7 @@ class OpenAIServing:
         try:
             if not job.body.stream:
                 outputs = await unless_disconnected(request, self._collect(job, merger))
-                return JSONResponse(final_response(job, outputs))
+                return JSONResponse(self._final_response(job, outputs))
             first = await unless_disconnected(request, merger.next())
             response = SSEResponse(self._stream(job, merger, first), cleanup)
             handed_off = True
@@ -691,6 +691,10 @@ class OpenAIServing:
         finally:
             if not handed_off:
                 await cleanup()
+
+    def _final_response(self, job: Job, outputs: dict[int, RequestOutput]) -> dict[str, Any]:
+        """The body of a finished non-streaming request (the Responses API's differs)."""
+        return final_response(job, outputs)
 
     async def _collect(self, job: Job, merger: OutputMerger) -> dict[int, RequestOutput]:
         outputs: dict[int, RequestOutput] = {}

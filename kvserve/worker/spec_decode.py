@@ -35,7 +35,12 @@ from kvserve.config import SpeculativeConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.host_copy import to_device
 from kvserve.sampling.rejection import verify_proposals
-from kvserve.sampling.sampler import SamplerOutput, SamplingBatch, forbidden_token_ids
+from kvserve.sampling.sampler import (
+    SamplerOutput,
+    SamplingBatch,
+    forbidden_token_ids,
+    logit_bias_triples,
+)
 from kvserve.spec.ngram import NgramProposer
 from kvserve.spec.oracle import OracleProposer
 from kvserve.spec.proposer import ChainProposer, ProposerSetting, ProposerStep
@@ -261,7 +266,36 @@ class SpecDecodeRunner:
                 forbidden += [(int(first[i]) + j, token_id) for token_id in forbidden_token_ids(
                     params, int(num_outputs[i]) + j, (), vocab_size)]
         return SamplingBatch.from_rows(batch.sampling.take(np.repeat(sample_rows, counts)),
-                                       prompts, outputs, forbidden, {}, runner.device)
+                                       prompts, outputs, forbidden, {}, runner.device,
+                                       self._biases(request_ids, first, counts),
+                                       self._bitmask(request_ids, n, counts))
+
+    def _biases(self, request_ids: list[str], first: np.ndarray,
+                counts: np.ndarray) -> list[tuple[int, int, float]]:
+        """``logit_bias`` on every verified position of the biased requests."""
+        runner = self.runner
+        if not runner._biased:
+            return []
+        return logit_bias_triples(
+            (int(first[i]) + j, runner.states[request_id].sampling_params)
+            for i, request_id in enumerate(request_ids) if request_id in runner._biased
+            for j in range(int(counts[i])))
+
+    def _bitmask(self, request_ids: list[str], n: np.ndarray,
+                 counts: np.ndarray) -> torch.Tensor | None:
+        """The grammar bitmask of the step's rows: a grammar request verifies
+        no proposals (the scheduler gives it none), so its one row is masked
+        by its matcher's state as in a plain step; other rows allow all."""
+        matchers = self.runner.matchers
+        if not matchers:
+            return None
+        row_ids: list[str] = []
+        for i, request_id in enumerate(request_ids):
+            if request_id in matchers and n[i]:
+                raise RuntimeError(f"{request_id}: a structured-output request was scheduled "
+                                   "with proposals")
+            row_ids += [request_id] + [""] * int(n[i])
+        return matchers.bitmask(row_ids)
 
     # ------------------------------------------------------------ proposers
 
@@ -338,6 +372,8 @@ class SpecDecodeRunner:
                 # past the computed tokens, of rejected proposals and lookahead slots
                 batch.num_blocks[row] = min(int(batch.num_blocks[row]),
                                             -(-num_computed // block_size))
+        if self.runner.matchers:
+            self.runner.matchers.accept(output.sampled_token_ids)
         if len(step.host_tensors) > 1:
             proposals = step.host_tensors[1].numpy()
             for b, i in enumerate(np.flatnonzero(record.num_draft > 0).tolist()):

@@ -26,7 +26,9 @@ from tests.e2e.conftest import ServerProcess
 
 SCHEMA = schemathesis.openapi.from_dict(openapi_document())
 EXAMPLES_PER_OPERATION = 12
-SMALL = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "min_tokens": 0}
+SMALL = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 2,
+         "min_tokens": 0}
+MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def test_the_document_is_served_and_covers_every_route(serve_tiny: ServerProcess) -> None:
@@ -42,8 +44,9 @@ def _clamp(body: Any) -> None:
     value above what is allowed stays, so the 400 paths are still reached)."""
     if not isinstance(body, dict):
         return
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = SMALL["max_tokens"]  # chat's default is the rest of the context
+    if all(body.get(key) is None for key in MAX_TOKEN_FIELDS):
+        # chat's and responses' default is the rest of the context (unknown fields are ignored)
+        body["max_tokens"] = body["max_output_tokens"] = SMALL["max_tokens"]
     for key, small in SMALL.items():
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and small < value <= 100:

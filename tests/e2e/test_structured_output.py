@@ -1,6 +1,8 @@
 """Structured output end to end on the bundled model with the official
 ``openai`` client: every response over 20 fixed JSON schemas validates
-(jsonschema), streamed with ``n > 1`` too; ``json_object``, and vLLM's
+(jsonschema), streamed with ``n > 1`` too, and with speculative decoding on
+(plain requests speculating in the same steps; the greedy outputs equal the
+server's without speculation); ``json_object``, and vLLM's
 ``structured_outputs`` / ``guided_*`` fields for regex, choice and grammar."""
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jsonschema
@@ -88,3 +91,39 @@ def test_vllm_fields(client: openai.OpenAI, fields: dict[str, Any], check: Any) 
                                             temperature=1.0, seed=2, extra_body=fields)
     text = result.choices[0].message.content
     assert text is not None and check(text), text
+
+
+def _greedy(client: openai.OpenAI, index: int) -> str:
+    result = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=160, temperature=0.0,
+        response_format=_format(SCHEMAS[index], index))
+    assert result.choices[0].finish_reason == "stop"
+    return result.choices[0].message.content or ""
+
+
+def test_every_schema_validates_beside_speculation(
+        client: openai.OpenAI, tmp_path_factory: pytest.TempPathFactory) -> None:
+    config = {"method": "draft_model", "num_speculative_tokens": 3, "auto_disable": False}
+    server = launch(MODELS_DIR / DEFAULT_MODEL, tmp_path_factory.mktemp("spec") / "server.log",
+                    ["--max-num-seqs", "16", "--speculative-config", json.dumps(config)])
+    try:
+        spec_client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
+                                    timeout=120, max_retries=0)
+
+        def plain(_: int) -> Any:
+            return spec_client.completions.create(model=MODEL_NAME, prompt="def f(x):",
+                                                  max_tokens=32, temperature=0.0)
+
+        with ThreadPoolExecutor(8) as pool:  # plain requests speculate in the same steps
+            plains = [pool.submit(plain, i) for i in range(4)]
+            texts = list(pool.map(lambda i: _greedy(spec_client, i), range(len(SCHEMAS))))
+            for future in plains:
+                future.result()
+        drafted = server.metric("kvserve:spec_decode_num_draft_tokens_total")
+    finally:
+        server.stop()
+    assert drafted > 0
+    for schema, text in zip(SCHEMAS, texts, strict=True):
+        jsonschema.validate(json.loads(text), schema)
+    with ThreadPoolExecutor(8) as pool:
+        assert texts == list(pool.map(lambda i: _greedy(client, i), range(len(SCHEMAS))))

@@ -106,3 +106,32 @@ def test_seeded_sampling_reproduces_on_cuda() -> None:
                                                                   use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
 
+
+
+def test_structured_output_beside_speculation_on_cuda() -> None:
+    """The 20 fixed schemas (grammar requests decode one token a step) beside
+    plain requests that speculate, with CUDA graphs: every output validates
+    and equals the output without speculation."""
+    import jsonschema
+
+    from kvserve.core.structured_output import StructuredOutputParams
+    from tests.e2e.structured_schemas import SCHEMAS
+
+    params = [SamplingParams(temperature=0.0, max_tokens=160,
+                             structured_output=StructuredOutputParams(json=schema))
+              for schema in SCHEMAS] + [GREEDY] * 4
+    kwargs: dict[str, Any] = {"dtype": "float32", "device": "cuda", "max_num_seqs": 32}
+    plain = LLM(**kwargs)
+    # the prompt the e2e test sends (a chat turn), whose greedy JSON ends inside max_tokens
+    chat = plain.get_tokenizer().apply_chat_template(  # type: ignore[attr-defined]
+        [{"role": "user", "content": "Reply with JSON."}], True, {})
+    prompts: list[Any] = [chat] * len(SCHEMAS) + PROMPTS[:4]
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    llm = LLM(**kwargs, speculative_config={"method": "draft_model", "num_speculative_tokens": 4,
+                                            "auto_disable": False})
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    for schema, output in zip(SCHEMAS, outputs, strict=False):
+        assert output.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(output.outputs[0].text), schema)
+    assert llm.stats()["spec_decode_num_draft_tokens"] > 0

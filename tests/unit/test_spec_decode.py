@@ -328,3 +328,29 @@ def test_disable_by_batch_size(target: Path) -> None:
     outputs = summary(llm.generate(PROMPTS[:4], params, use_tqdm=False))
     assert outputs == generate(target, params, PROMPTS[:4])[0]
     assert chosen()[0] == 0 and chosen()[-1] == 2  # 4 requests: off; the last one alone: on
+
+
+def test_structured_output_requests_run_without_speculation(target: Path) -> None:
+    """Grammar requests beside speculating ones: each output matches its
+    schema and equals the output without speculation (the grammar's rows
+    are masked in the verifying step, their matchers advance)."""
+    import jsonschema
+
+    from kvserve.core.structured_output import StructuredOutputParams
+
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]},
+                                               "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    structured = SamplingParams(temperature=0.0, max_tokens=40,
+                                structured_output=StructuredOutputParams(json=schema))
+    biased = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                            logit_bias={7: 100.0})
+    params = [structured, GREEDY, structured, biased, GREEDY]
+    expected, _ = generate(target, params, PROMPTS[:5])
+    outputs, llm = generate(target, params, PROMPTS[:5],
+                            speculative_config=spec("draft_model", model=str(target)))
+    assert outputs == expected
+    for i in (0, 2):
+        jsonschema.validate(json.loads(outputs[i][0][1]), schema)
+    assert outputs[3][0][0] == [7] * 8
+    assert llm.stats()["spec_decode_num_draft_tokens"] > 0
