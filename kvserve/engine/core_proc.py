@@ -261,7 +261,7 @@ class MPCoreClient:
         start-up error is raised here (a ``ValueError`` stays one)."""
         self.config = config
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        addresses = _addresses()
+        self.addresses = addresses = _addresses()
         self._inputs = self._context.socket(zmq.PUSH)
         self._inputs.bind(addresses[0])
         self._outputs = self._context.socket(zmq.PULL)
