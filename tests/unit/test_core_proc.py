@@ -103,7 +103,7 @@ def test_a_refused_request_fails_alone(client: ThreadedEngineClient) -> None:
         asyncio.run(_final(client, "hello", too_big))
     core = client.engine.core
     assert isinstance(core, MPCoreClient)
-    core._send(ADD, "garbled", b"\xc1 not msgpack")  # noqa: SLF001  # a message it cannot decode
+    core._send(ADD, "garbled", b"\xc1 not msgpack")  # a message it cannot decode
     client.engine.core.wake()
     ok = asyncio.run(_final(client, "hello", SamplingParams(max_tokens=3)))
     assert len(ok.outputs[0].token_ids) == 3 and client.health().alive
