@@ -184,7 +184,8 @@ class ThreadedEngineClient:
                         self._deliver(request_id, error)
                 else:
                     self.engine.core.check_alive()
-                self._last_progress_s = time.monotonic()
+                # a core process's step may hang while this loop keeps turning
+                self._last_progress_s = self.engine.core.last_progress_s()
         except BaseException as exc:
             logger.exception("engine loop died")
             self._fail(exc)

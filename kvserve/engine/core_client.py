@@ -13,6 +13,7 @@ and its ``step`` waits for the core's next outputs instead of running one.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -84,6 +85,9 @@ class CoreClient(Protocol):
     def wake(self) -> None:
         """Make a ``step`` waiting for outputs return now (thread-safe)."""
 
+    def last_progress_s(self) -> float:
+        """When the core was last seen making progress (``time.monotonic``)."""
+
     def stats(self) -> dict[str, Any]: ...
 
     @property
@@ -141,6 +145,9 @@ class InprocCoreClient:
 
     def wake(self) -> None:
         pass
+
+    def last_progress_s(self) -> float:
+        return time.monotonic()  # asked between two steps
 
     def stats(self) -> dict[str, Any]:
         return self.core.stats()

@@ -273,6 +273,8 @@ class MPCoreClient:
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._rejections: list[Rejection] = []
         self._stats: dict[str, Any] = {}
+        # the last message from the core, or the last check while nothing was owed
+        self._heard_s = time.monotonic()
         mp = multiprocessing.get_context("spawn")
         lifeline_r, self._lifeline = mp.Pipe(duplex=False)
         self.process = mp.Process(
@@ -346,7 +348,7 @@ class MPCoreClient:
                 os.read(self._wake_r, 4096)
         outputs = self._receive() if self._outputs in events else []
         if not outputs:
-            self.check_alive()
+            self._raise_if_exited()
         return outputs
 
     def _receive(self) -> list[EngineCoreOutput]:
@@ -356,6 +358,7 @@ class MPCoreClient:
                 kind, _, payload = self._outputs.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return outputs
+            self._heard_s = time.monotonic()
             if kind == OUTPUTS:
                 step_outputs, stats = _output_decoder.decode(payload)
                 outputs += step_outputs
@@ -370,9 +373,18 @@ class MPCoreClient:
         rejections, self._rejections = self._rejections, []
         return rejections
 
+    def last_progress_s(self) -> float:
+        return self._heard_s
+
     def check_alive(self) -> None:
+        """Raise ``EngineDeadError`` if the core process has exited (called
+        while nothing is in flight, it also marks the core as up to date)."""
+        self._heard_s = time.monotonic()
         if self._outputs.poll(0):
             self._receive()  # stats sent while the front end was idle
+        self._raise_if_exited()
+
+    def _raise_if_exited(self) -> None:
         if not self.process.is_alive():
             raise EngineDeadError(f"the engine core process (pid {self.process.pid}) exited "
                                   f"with code {self.process.exitcode}")
