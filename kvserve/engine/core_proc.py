@@ -213,8 +213,10 @@ def run_engine_core(config: EngineConfig, addresses: tuple[str, str], lifeline: 
     logging.getLogger("kvserve").setLevel(log_level)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     inputs = context.socket(zmq.PULL)
+    inputs.setsockopt(zmq.RCVHWM, 0)
     inputs.connect(addresses[0])
     outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)
     outputs.connect(addresses[1])
     try:
         core = EngineCore(config, create_executor(config))
@@ -262,9 +264,13 @@ class MPCoreClient:
         self.config = config
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.addresses = addresses = _addresses()
+        # no high-water marks: a burst of requests never blocks or drops; a send
+        # fails at once only when the core is not connected (it has died)
         self._inputs = self._context.socket(zmq.PUSH)
+        self._inputs.setsockopt(zmq.SNDHWM, 0)
         self._inputs.bind(addresses[0])
         self._outputs = self._context.socket(zmq.PULL)
+        self._outputs.setsockopt(zmq.RCVHWM, 0)
         self._outputs.bind(addresses[1])
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -402,13 +408,18 @@ class MPCoreClient:
         if not self._finalizer.alive:
             return
         if not kill and self.process.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, EngineDeadError):
                 self._send(SHUTDOWN, "", b"")
             self.process.join(SHUTDOWN_TIMEOUT_S)
         self._finalizer()
 
     def _send(self, kind: bytes, request_id: str, payload: bytes) -> None:
-        self._inputs.send_multipart((kind, request_id.encode(), payload), copy=False)
+        try:
+            self._inputs.send_multipart((kind, request_id.encode(), payload), zmq.NOBLOCK,
+                                        copy=False)
+        except zmq.Again:
+            self._raise_if_exited()
+            raise EngineDeadError("the engine core process is not connected") from None
 
 
 def _stop(process: multiprocessing.process.BaseProcess, lifeline: Connection,
