@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python benchmarks/quant_quality.py --output-json quant_quality.json \\
         [--stdlib /root/.pyenv/versions/3.12.1/lib/python3.12] [--device cpu|cuda] \\
-        [--configs bf16 int8-rtn int4-g128-rtn ...] [--keep-dir runs/quant_quality]
+        [--configs bf16 int8-rtn int4-g128-rtn ...] [--keep-dir runs/quant_quality] \
+        [--kv-cache-dtypes auto bfloat16 fp8_e4m3 int8]
 
 The held-out files are those of ``scripts/train_default_model.py``'s split
 (``classify``: sha256 of the path relative to the stdlib, held out below 50 of
@@ -15,12 +16,19 @@ Calibration text (GPTQ, AWQ) is the train split's files of the same stdlib
 only, the same windows for every method (``--num-samples`` x ``--seq-len``,
 ``--seed``).
 
-Every configuration but ``bf16`` is a checkpoint written by ``kvserve
-quantize`` (compressed-tensors); every row, ``bf16`` included, is scored by
+Every configuration but ``bf16`` and ``fp8`` (FP8 W8A8 rounded at load, as
+``--quantization fp8``: the torch reference's arithmetic) is a checkpoint
+written by ``kvserve quantize`` (compressed-tensors); every row, ``bf16`` included, is scored by
 kvserve's own model: its linears hold the run's ``QuantizedWeight``s
 (kvserve's packed layout, the layer seam's weight-only method, torch
 reference on the CPU) and its other tensors are read from the written
-checkpoint (AWQ's folded norms). Prints a table and writes JSON.
+checkpoint (AWQ's folded norms). With ``--kv-cache-dtypes`` each weight
+configuration is scored once per KV cache dtype (``auto``: the model's
+float32; ``bfloat16``; ``fp8_e4m3`` with scales 1.0 and ``int8`` with
+per-token scales, as ``--kv-cache-dtype`` stores them): the windows are
+prefilled through the cache, so every attention reads the stored K and V,
+and each row also gives the share of positions whose greedy (argmax) next
+token equals the same weights' ``auto`` row. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -41,16 +49,18 @@ from safetensors.torch import load_file
 
 from kvserve.assets import default_model_path
 from kvserve.attention.backend import get_attention_backend
+from kvserve.attention.kv_quant import KV_CACHE_DTYPES
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.layers.attention import bind_kv_cache
 from kvserve.models.loader import load_model
 from kvserve.models.registry import CausalLM, get_model_class
 from kvserve.models.source import resolve_model_config
-from kvserve.quant.config import QuantConfig
+from kvserve.quant.config import QuantConfig, quantize_at_load
 from kvserve.quant.methods import LinearMethod
 from kvserve.quantize.options import QuantizeOptions
 from kvserve.quantize.pipeline import QuantizeResult, quantize_checkpoint
+from kvserve.worker.kv_cache import KVCacheSpec, allocate_kv_scales
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_STDLIB = Path("/root/.pyenv/versions/3.12.1/lib/python3.12")
@@ -72,6 +82,9 @@ CONFIGS: dict[str, tuple[str, int, int, bool, bool]] = {
     "int4-g32-asym-rtn": ("rtn", 4, 32, False, False),
     "int4-g32-asym-awq": ("awq", 4, 32, False, False),
 }
+# --kv-cache-dtypes name -> the cache's dtype (None: the model's, float32 here)
+KV_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "bfloat16": torch.bfloat16,
+                                            **KV_CACHE_DTYPES}
 DEFAULT_CONFIGS = ["bf16", "int8-rtn", "int4-g128-rtn", "int4-g128-asym-rtn", "int4-g128-gptq",
                    "int4-g128-gptq-act-order", "int4-g128-asym-awq"]
 
@@ -120,18 +133,26 @@ def prefill_metadata(num_reqs: int, seq_len: int) -> tuple[AttentionMetadata, to
 
 @torch.no_grad()
 def score(model: CausalLM, config: ModelConfig, stream: torch.Tensor, byte_lens: torch.Tensor,
-          bos_id: int, seq_len: int, batch_size: int, max_windows: int) -> dict[str, float]:
+          bos_id: int, seq_len: int, batch_size: int, max_windows: int,
+          kv_dtype: torch.dtype | None = None) -> tuple[dict[str, float], torch.Tensor]:
     """Held-out loss, perplexity and bits per byte over every non-overlapping window
-    (``max_windows`` > 0: that many, evenly spaced over the stream)."""
+    (``max_windows`` > 0: that many, evenly spaced over the stream), with a KV
+    cache of ``kv_dtype`` (None: the model's); and the argmax next token at
+    every scored position."""
     total = (stream.numel() - 1) // seq_len
     chosen = torch.arange(total)
     if 0 < max_windows < total:
         chosen = torch.linspace(0, total - 1, max_windows).round().long()
     offsets = torch.arange(seq_len + 1)
-    caches = [torch.zeros(2, batch_size * -(-seq_len // BLOCK_SIZE), BLOCK_SIZE,
-                          config.num_kv_heads, config.head_dim) for _ in range(config.num_layers)]
-    bind_kv_cache(model, caches, get_attention_backend("torch"))
+    num_blocks = batch_size * -(-seq_len // BLOCK_SIZE)
+    dtype = kv_dtype or next(model.parameters()).dtype
+    caches = [torch.zeros(2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim,
+                          dtype=dtype) for _ in range(config.num_layers)]
+    scales = allocate_kv_scales(KVCacheSpec.of(model), model, dtype, num_blocks, BLOCK_SIZE,
+                                torch.device("cpu"))
+    bind_kv_cache(model, caches, get_attention_backend("torch"), scales)
     nats, count, num_bytes = 0.0, 0, 0
+    greedy = []
     for starts in chosen.split(batch_size):
         window = stream[starts[:, None] * seq_len + offsets[None, :]]
         metadata, positions = prefill_metadata(len(starts), seq_len)
@@ -141,10 +162,12 @@ def score(model: CausalLM, config: ModelConfig, stream: torch.Tensor, byte_lens:
         keep = labels != bos_id
         nats += float(torch.nn.functional.cross_entropy(logits[keep], labels[keep],
                                                         reduction="sum"))
+        greedy.append(logits[keep].argmax(dim=-1))
         count += int(keep.sum())
         num_bytes += int(byte_lens[labels].sum())
-    return {"heldout_loss": nats / count, "heldout_ppl": math.exp(nats / count),
-            "heldout_bits_per_byte": nats / math.log(2) / num_bytes, "scored_tokens": count}
+    return ({"heldout_loss": nats / count, "heldout_ppl": math.exp(nats / count),
+             "heldout_bits_per_byte": nats / math.log(2) / num_bytes, "scored_tokens": count},
+            torch.cat(greedy))
 
 
 def quantized_model(result: QuantizeResult, config: ModelConfig) -> CausalLM:
@@ -181,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=default_model_path())
     parser.add_argument("--stdlib", type=Path, default=DEFAULT_STDLIB)
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
-                        choices=["bf16", *CONFIGS])
+                        choices=["bf16", "fp8", *CONFIGS])
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_DTYPES),
+                        help="score each configuration with each KV cache dtype")
     parser.add_argument("--num-samples", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
@@ -212,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.configs:
             start = time.perf_counter()
             row: dict[str, Any] = {"config": name}
-            if name == "bf16":
-                model = load_model(config, args.model, "auto", torch.float32, "cpu")
+            if name in ("bf16", "fp8"):  # fp8: W8A8 quantised at load (--quantization fp8)
+                quant = quantize_at_load("fp8") if name == "fp8" else None
+                model = load_model(dataclasses.replace(config, quantization=quant), args.model,
+                                   "auto", torch.float32, "cpu")
                 row["checkpoint_bytes"] = (args.model / "model.safetensors").stat().st_size
             else:
                 method, bits, group_size, symmetric, act_order = CONFIGS[name]
@@ -225,11 +252,22 @@ def main(argv: list[str] | None = None) -> int:
                 row |= {"method": method, "calibration_s": round(result.seconds, 1),
                         "checkpoint_bytes": (work / name / "model.safetensors").stat().st_size}
                 model = quantized_model(result, config)
-            row |= score(model, config, stream, byte_lens, bos_id, args.seq_len,
-                         args.eval_batch_size, args.max_windows)
-            row["seconds"] = round(time.perf_counter() - start, 1)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            base_greedy: torch.Tensor | None = None
+            for kv_name in args.kv_cache_dtypes:
+                kv_row = dict(row, config=name if kv_name == "auto" else f"{name} kv={kv_name}",
+                              kv_cache_dtype=kv_name)
+                figures, greedy = score(model, config, stream, byte_lens, bos_id, args.seq_len,
+                                        args.eval_batch_size, args.max_windows,
+                                        KV_DTYPES[kv_name])
+                kv_row |= figures
+                if kv_name == "auto":
+                    base_greedy = greedy
+                elif base_greedy is not None:
+                    kv_row["greedy_agreement_vs_auto_kv"] = float(
+                        (greedy == base_greedy).float().mean())
+                kv_row["seconds"] = round(time.perf_counter() - start, 1)
+                rows.append(kv_row)
+                print(json.dumps(kv_row), flush=True)
     base = next((r for r in rows if r["config"] == "bf16"), None)
     print(f"\n{'config':28s} {'ppl':>8s} {'vs bf16':>8s} {'bits/byte':>9s} {'MB':>6s}")
     for row in rows:

@@ -19,7 +19,8 @@ import sys
 from kvserve import __version__
 
 DESCRIPTION = ("kvserve: an LLM inference engine. Complete a prompt (generate), chat, serve "
-               "the OpenAI API (serve), benchmark (bench) or plan a deployment (plan).")
+               "the OpenAI API (serve), route over several servers (router), benchmark "
+               "(bench) or plan a deployment (plan).")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.console import run_chat, run_generate
     from kvserve.engine.args import EngineArgs
     from kvserve.quantize.cli import add_quantize_parser
+    from kvserve.router.launcher import add_router_parser
     from kvserve.server.launcher import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="kvserve", description=DESCRIPTION)
@@ -92,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=run_chat)
 
     add_serve_parser(sub)
+    add_router_parser(sub)
     add_bench_parser(sub)
     add_plan_parser(sub)
     add_quantize_parser(sub)
@@ -149,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # to start copies of itself
     except KeyboardInterrupt:
         print("\nkvserve: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

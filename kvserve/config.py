@@ -162,6 +162,12 @@ def _sliding_windows(
     return tuple(int(window) if i >= max_window_layers else None for i in range(num_layers))
 
 
+# the KV cache's element type: "auto" (the model's dtype) or quantised (with
+# scales: fp8 per layer and KV head, int8 per token and KV head); vLLM's names
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache settings."""
@@ -174,8 +180,16 @@ class CacheConfig:
     # KV budget on CPU when num_kv_blocks is unset; None: sized for the model
     # (kvserve/worker/kv_cache.py)
     cpu_kv_cache_bytes: int | None = None
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES or an alias ("fp8")
 
     def __post_init__(self) -> None:
+        dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype='{self.kv_cache_dtype}' is invalid: must be one of "
+                f"{', '.join((*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES))}"
+            )
+        object.__setattr__(self, "kv_cache_dtype", dtype)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -15,6 +15,10 @@ llmc-gptq-w4a16-asym-g32-actorder        llm-compressor      GPTQ int4 asym g32,
                                                              refuse "group": no g_idx)
 llmc-awq-w4a16-asym-g128                 llm-compressor      AWQModifier + W4A16_ASYM
 llmc-gptq-w8a16-channel                  llm-compressor      GPTQ int8 symmetric, channel
+llmc-fp8-dynamic                         llm-compressor      FP8_DYNAMIC: e4m3 weights per
+                                                             channel, dynamic activations
+llmc-fp8-static                          llm-compressor      FP8: per-tensor weight and
+                                                             static input scales
 llmc06-gptq-w4a16-g32-actorder-group     llm-compressor 0.6  GPTQ int4 symmetric g32,
                                                              actorder "group": weight_g_idx
 gptqmodel-w4-g32-desc-act-asym           GPTQModel           gptq (v1), desc_act, sym=False
@@ -64,9 +68,11 @@ Producers and their venvs (CPU torch 2.13.0 in each; never the system python):
 
 Usage (from the repository root)::
 
-    python scripts/make_quant_fixtures.py all            # the five steps below
+    python scripts/make_quant_fixtures.py all            # the six steps below
     python scripts/make_quant_fixtures.py base /tmp/quant-base
     /work/venvs/llmc/bin/python scripts/make_quant_fixtures.py llmcompressor \
+        /tmp/quant-base tests/fixtures/quant
+    /work/venvs/llmc/bin/python scripts/make_quant_fixtures.py llmcompressor-fp8 \
         /tmp/quant-base tests/fixtures/quant
     /work/venvs/llmc06/bin/python scripts/make_quant_fixtures.py llmcompressor-0.6 \
         /tmp/quant-base tests/fixtures/quant
@@ -307,6 +313,45 @@ def run_llmcompressor(base: Path, out: Path) -> None:
                         ["llmcompressor", "compressed-tensors", "transformers", "torch"], notes)
 
 
+def run_llmcompressor_fp8(base: Path, out: Path) -> None:
+    """FP8 W8A8 as llm-compressor writes it (``format: float-quantized``):
+    ``FP8_DYNAMIC`` (per-channel weight scales, dynamic per-token activations;
+    no calibration) and ``FP8`` (per-tensor weight and static per-tensor
+    input scales, calibrated). The reference weights are the e4m3 values
+    times their scales in float32 (compressed-tensors' own dequantisation)."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.pipelines.cache import IntermediatesCache
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    if not torch.cuda.is_available():
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+    source = base / "bfloat16"
+    ids = calibration_ids(source)
+    for name, scheme in (("llmc-fp8-dynamic", "FP8_DYNAMIC"), ("llmc-fp8-static", "FP8")):
+        fixture = fresh(out / name)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+        recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+        if scheme == "FP8_DYNAMIC":
+            oneshot(model=model, recipe=recipe)
+        else:
+            oneshot(model=model, dataset=Dataset.from_dict({"input_ids": ids}), recipe=recipe,
+                    max_seq_length=CALIBRATION_TOKENS, num_calibration_samples=len(ids))
+        model.save_pretrained(fixture, save_compressed=True)
+        tensors = load_file(fixture / "model.safetensors")
+        dequantized = {}
+        for key, weight in tensors.items():
+            module = key.rpartition(".")[0]
+            if key.endswith(".weight") and weight.dtype == torch.float8_e4m3fn:
+                scale = tensors[f"{module}.weight_scale"].float()
+                dequantized[module] = weight.float() * scale.reshape(-1, 1)
+        write_reference(fixture, dequantized, "llm-compressor",
+                        ["llmcompressor", "compressed-tensors", "transformers", "torch"],
+                        f"QuantizationModifier(scheme={scheme!r}, ignore=['lm_head'])")
+
+
 def run_llmcompressor_06(base: Path, out: Path) -> None:
     """llm-compressor 0.6: GPTQ with ``actorder: group`` (``weight_g_idx``)."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
@@ -420,6 +465,8 @@ def run_all(venvs: Path, out: Path) -> None:
     script = str(Path(__file__).resolve())
     steps = [([sys.executable, script, "base", str(base)], {}),
              ([str(venvs / "llmc/bin/python"), script, "llmcompressor", str(base), str(out)], {}),
+             ([str(venvs / "llmc/bin/python"), script, "llmcompressor-fp8", str(base),
+               str(out)], {}),
              ([str(venvs / "llmc06/bin/python"), script, "llmcompressor-0.6", str(base),
                str(out)], {}),
              ([str(venvs / "gptqmodel/bin/python"), script, "gptqmodel", str(base), str(out)],
@@ -434,7 +481,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="step", required=True)
     sub.add_parser("base").add_argument("out", type=Path)
-    for step in ("llmcompressor", "llmcompressor-0.6", "gptqmodel", "autoawq"):
+    for step in ("llmcompressor", "llmcompressor-fp8", "llmcompressor-0.6", "gptqmodel",
+                 "autoawq"):
         p = sub.add_parser(step)
         p.add_argument("base", type=Path)
         p.add_argument("out", type=Path)
@@ -451,7 +499,8 @@ def main() -> None:
         base, out = args.base.resolve(), args.out.resolve()
         out.mkdir(parents=True, exist_ok=True)
         os.chdir(tempfile.mkdtemp())  # producers drop logs into the working directory
-        {"llmcompressor": run_llmcompressor, "llmcompressor-0.6": run_llmcompressor_06,
+        {"llmcompressor": run_llmcompressor, "llmcompressor-fp8": run_llmcompressor_fp8,
+         "llmcompressor-0.6": run_llmcompressor_06,
          "gptqmodel": run_gptqmodel, "autoawq": run_autoawq}[args.step](base, out)
 
 

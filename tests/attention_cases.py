@@ -4,7 +4,9 @@
 the null block and never used; spare blocks are left over), fills every
 slot inside a request's context with random K/V and every other slot with
 NaN, so a kernel that reads past a context or leaves an output unwritten
-shows. Shared by the interpreter tests (CPU) and the GPU tests.
+shows. ``quantise_case`` turns a case's cache into an fp8 or int8 one with
+its scales, poisoned alike (NaN fp8 bytes; NaN int8 scales). Shared by the
+interpreter tests (CPU) and the GPU tests.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.torch_ref import write_kv
 from tests.conftest import make_attention_metadata
 
 
@@ -78,3 +81,30 @@ def make_case(
     return Case(metadata, randn(num_tokens, num_heads, head_dim),
                 randn(num_tokens, num_kv_heads, head_dim),
                 randn(num_tokens, num_kv_heads, head_dim), kv_cache)
+
+
+def quantise_case(
+    case: Case, cache_dtype: torch.dtype, head_scales: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the case's cache as ``cache_dtype`` (fp8 or int8) stores it, its scales),
+    written by the torch reference: every slot a request owns quantised, every
+    other one poisoned (NaN fp8 bytes; an int8 -128, which no write produces,
+    with a NaN scale). fp8 scales: ``head_scales`` ([2, num_kv_heads]), else
+    random ones around 0.5."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = case.kv_cache.shape
+    device = case.kv_cache.device
+    if cache_dtype == torch.int8:
+        cache = torch.full(case.kv_cache.shape, -128, dtype=torch.int8, device=device)
+        scales = torch.full((2, num_blocks, block_size, num_kv_heads), float("nan"),
+                            device=device)
+    else:
+        cache = torch.full(case.kv_cache.shape, 0x7F, dtype=torch.uint8,
+                           device=device).view(cache_dtype)
+        if head_scales is None:
+            generator = torch.Generator().manual_seed(num_kv_heads)
+            head_scales = 0.25 + 0.5 * torch.rand(2, num_kv_heads, generator=generator)
+        scales = head_scales.to(device=device, dtype=torch.float32).contiguous()
+    flat = case.kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    owned = torch.nonzero(~flat[0, :, 0, 0].isnan()).flatten()
+    write_kv(flat[0, owned], flat[1, owned], cache, owned, scales)
+    return cache, scales

@@ -6,7 +6,9 @@ interpreter tests cannot reach is built: the programmatic-dependent-launch
 branches, and the compiler's own rules (a jit helper must return one type
 from all of its branches), which the interpreter does not enforce. The
 quantised GEMMs are built with their inline PTX and with the 16-byte
-alignment hints a real launch specialises on (``build_quant_matmul``)."""
+alignment hints a real launch specialises on (``build_quant_matmul``); the
+attention kernels and KV writes for each KV cache dtype (16-bit, fp8, int8:
+``build_kv_cache_dtypes``); the FP8 per-token quantiser of the W8A8 linears."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvserve.kernels.paged_attention import decode_attention_kernel
+from kvserve.kernels.fp8_quant import per_token_quant_fp8_kernel
+from kvserve.kernels.paged_attention import decode_attention_kernel, prefill_attention_kernel
 from kvserve.kernels.quant_matmul_kernels import (
     quant_dequant_kernel,
     quant_dot_kernel,
@@ -83,6 +86,45 @@ def build_quant_matmul() -> None:
               aligned, num_warps=8, num_stages=3)
 
 
+# KV cache dtype -> (pointer type of its cache, kv_quant mode)
+KV_CACHES = {"bf16": ("*bf16", 0), "fp8": ("*fp8e4nv", 1), "int8": ("*i8", 2)}
+
+
+def build_kv_cache_dtypes() -> None:
+    """The KV writes and both attention kernels reading each cache dtype with
+    bfloat16 q: the decode kernel with PDL, the fused rope + KV write and a
+    window; the prefill kernel with a window and skipped decodes."""
+    q_pointers = {name: "*bf16" for name in ("q_ptr", "out_ptr", "k_ptr", "v_ptr", "new_k_ptr",
+                                             "new_v_ptr")}
+    q_pointers.update({name: "*fp32" for name in (
+        "part_out_ptr", "part_max_ptr", "part_sum_ptr", "cos_sin_ptr", "k_scale_ptr",
+        "v_scale_ptr")})
+    q_pointers.update({name: "*i32" for name in (
+        "semaphore_ptr", "query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")})
+    q_pointers |= {"slot_mapping_ptr": "*i64", "positions_ptr": "*i64"}
+    for cache, mode in KV_CACHES.values():
+        pointers = q_pointers | {"k_cache_ptr": cache, "v_cache_ptr": cache}
+        for pdl, fuse_rope in itertools.product((False, True), (False, True)):
+            build(decode_attention_kernel, pointers, dict(
+                BLOCK_SIZE=16, GROUP=4, ROWS=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_N=128,
+                USE_WINDOW=True, NUM_SPLITS_IS_ONE=False, SPLITS_PAD=16, MERGE_HEADS=4,
+                MIN_SPLIT=64, DOT_PRECISION="tf32", FUSE_ROPE=fuse_rope, HALF=64, PDL=pdl,
+                KV_QUANT=mode), ("scale_log2",), num_warps=4, num_stages=2)
+        build(prefill_attention_kernel, pointers, dict(
+            BLOCK_SIZE=16, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_Q=16,
+            BLOCK_M=64, BLOCK_N=64, USE_WINDOW=True, SKIP_DECODES=True, DOT_PRECISION="tf32",
+            KV_QUANT=mode), ("scale_log2",), num_warps=4, num_stages=3)
+        if mode == 0:
+            continue  # the 16-bit writes are built in main()
+        for rotary_dim in (128, 64):
+            build(rope_store_kv_kernel, pointers, dict(
+                BLOCK_SIZE=16, GROUP=4, GROUP_PAD=4, HALF=rotary_dim // 2,
+                HALF_PAD=rotary_dim // 2, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                TAIL_PAD=max(128 - rotary_dim, 1), KV_QUANT=mode), ())
+        build(store_kv_kernel, pointers, dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                                              KV_QUANT=mode), ())
+
+
 def main() -> None:
     bf16 = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr")}
     for pdl, preload, (block_m, use_dot, gated), even_k in itertools.product(
@@ -105,20 +147,29 @@ def main() -> None:
     attention_pointers.update({name: "*i32" for name in (
         "semaphore_ptr", "query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")})
     attention_pointers["slot_mapping_ptr"] = "*i64"
+    attention_pointers |= {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     for pdl, fuse_rope, window in itertools.product((False, True), (False, True), (False, True)):
         build(decode_attention_kernel, attention_pointers, dict(
             BLOCK_SIZE=16, GROUP=4, ROWS=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_N=64,
             USE_WINDOW=window, NUM_SPLITS_IS_ONE=False, SPLITS_PAD=16, MERGE_HEADS=4,
-            MIN_SPLIT=64, DOT_PRECISION="ieee", FUSE_ROPE=fuse_rope, HALF=64, PDL=pdl),
-            ("scale_log2",), num_warps=4, num_stages=2)
+            MIN_SPLIT=64, DOT_PRECISION="ieee", FUSE_ROPE=fuse_rope, HALF=64, PDL=pdl,
+            KV_QUANT=0), ("scale_log2",), num_warps=4, num_stages=2)
     kv_pointers = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "k_cache_ptr",
                                                "v_cache_ptr")}
-    kv_pointers |= {"slot_mapping_ptr": "*i64", "positions_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+    kv_pointers |= {"slot_mapping_ptr": "*i64", "positions_ptr": "*i64", "cos_sin_ptr": "*fp32",
+                    "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     for rotary_dim in (128, 64):  # full and partial rotary
         build(rope_store_kv_kernel, kv_pointers, dict(
             BLOCK_SIZE=16, GROUP=4, GROUP_PAD=4, HALF=rotary_dim // 2, HALF_PAD=rotary_dim // 2,
-            HEAD_DIM=128, HEAD_DIM_PAD=128, TAIL_PAD=max(128 - rotary_dim, 1)), ())
-    build(store_kv_kernel, kv_pointers, dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128), ())
+            HEAD_DIM=128, HEAD_DIM_PAD=128, TAIL_PAD=max(128 - rotary_dim, 1), KV_QUANT=0), ())
+    build(store_kv_kernel, kv_pointers, dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                                             KV_QUANT=0), ())
+    build_kv_cache_dtypes()
+    for dtype, (block, one_pass) in itertools.product(("*bf16", "*fp16", "*fp32"),
+                                                      ((4096, True), (4096, False))):
+        build(per_token_quant_fp8_kernel, {"x_ptr": dtype, "out_ptr": "*fp8e4nv",
+                                           "scale_ptr": "*fp32"},
+              dict(BLOCK=block, ONE_PASS=one_pass), (), num_warps=8)
     build_quant_matmul()
     print("compiled for sm_90")
 

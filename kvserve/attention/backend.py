@@ -1,7 +1,8 @@
 """The attention backend interface and its registry.
 
 A backend writes the step's new K/V into the paged cache through the slot
-mapping, then computes causal attention of each request's new tokens over
+mapping (quantising them into an fp8 or int8 cache, whose scales it is
+given beside it), then computes causal attention of each request's new tokens over
 its whole cached context (prefix + themselves). A backend that
 ``fuses_rope`` also takes q and k un-rotated, with a ``FusedRope``, and
 rotates them itself in the same launch as the KV write; the attention layer
@@ -48,6 +49,8 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None,
         rope: FusedRope | None = None,  # q and k arrive un-rotated: rotate q in place, k as stored
+        # an fp8 or int8 cache's scales (kernels/kv_quant.py); None for a 16- or 32-bit one
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

@@ -19,6 +19,9 @@ in all. Then:
   whole batch and pick their rows on the device, so the batch needs no
   reordering and a CUDA graph of the step holds for any mix.
 
+An fp8 or int8 cache comes with its scales (``kv_scales``): every write
+above quantises into it and both kernels dequantise as they read.
+
 The choice reads only host ints of the metadata; nothing here synchronises
 with the device. Kernels live in ``kvserve/kernels``; this module owns only
 the dispatch.
@@ -57,6 +60,7 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None,
         rope: FusedRope | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
         if (rope is not None and metadata.max_query_len == 1
@@ -66,21 +70,23 @@ class TritonAttentionBackend:
                 q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
                 metadata.max_seq_len, scale, sliding_window,
                 new_kv=NewKV(k, v, metadata.slot_mapping, rope.cos_sin_cache),
+                kv_scales=kv_scales,
             )
         if rope is None:
-            store_kv(k, v, kv_cache, metadata.slot_mapping)
+            store_kv(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         else:
             rope_store_kv(q, k, v, kv_cache, metadata.slot_mapping, rope.positions,
-                          rope.cos_sin_cache, rope.rotary_dim)
+                          rope.cos_sin_cache, rope.rotary_dim, kv_scales)
         out = None
         if metadata.max_query_len > 1:
             out = prefill_attention(
                 q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
                 metadata.max_query_len, scale, sliding_window, skip_decodes=True,
+                kv_scales=kv_scales,
             )
         return decode_attention(
             q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-            metadata.max_seq_len, scale, sliding_window, out=out,
+            metadata.max_seq_len, scale, sliding_window, out=out, kv_scales=kv_scales,
         )
 
 

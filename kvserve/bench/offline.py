@@ -21,7 +21,13 @@ from kvserve.bench.report import environment
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.engine.args import EngineArgs
 from kvserve.param_count import count_params
-from kvserve.plan.counts import KV_DTYPE_BYTES, PlanInputs, kv_bytes_per_token, weight_read_bytes
+from kvserve.plan.counts import (
+    KV_DTYPE_BYTES,
+    PLAN_KV_DTYPES,
+    PlanInputs,
+    kv_bytes_per_token,
+    weight_read_bytes,
+)
 from kvserve.plan.utilization import mbu, mfu
 
 if TYPE_CHECKING:
@@ -37,9 +43,11 @@ class ModelFigures:
     kv_bytes_per_token: float  # K and V, all layers
 
     @classmethod
-    def of(cls, model: ModelConfig, element_bytes: int) -> ModelFigures:
+    def of(cls, model: ModelConfig, element_bytes: int,
+           kv_cache_dtype: str = "auto") -> ModelFigures:
         """The planner counts 16-bit weights and KV; scale them to ``element_bytes``
-        (weight-only quantised linears: to their packed bytes)."""
+        (weight-only quantised linears: to their packed bytes; a quantised KV
+        cache, ``kv_cache_dtype`` fp8_e4m3 or int8: its own bytes)."""
         inputs = PlanInputs()  # bf16 weights and KV on one GPU
         scale = element_bytes / KV_DTYPE_BYTES[inputs.kv_dtype]
         params = count_params(model)
@@ -49,8 +57,12 @@ class ModelFigures:
             quantized = quant.num_quantized(params.linear, params.lm_head)
             read_bytes -= quantized * (
                 element_bytes - quant.bytes_per_weight(model.hidden_size, element_bytes))
+        kv_bytes = kv_bytes_per_token(model, inputs) * scale
+        if kv_cache_dtype != "auto":
+            kv_bytes = kv_bytes_per_token(model, PlanInputs(
+                kv_dtype=PLAN_KV_DTYPES[kv_cache_dtype]))
         return cls(params=params.total, weight_read_bytes=read_bytes,
-                   kv_bytes_per_token=kv_bytes_per_token(model, inputs) * scale)
+                   kv_bytes_per_token=kv_bytes)
 
     def decode_step_bytes(self, batch_size: int, mean_context: float) -> float:
         """Bytes one decode step must read: the weights once, plus the KV of
@@ -131,4 +143,5 @@ def start(engine_args: EngineArgs, config: EngineConfig) -> OfflineBench:
     element_bytes = torch.empty((), dtype=dtype).element_size()
     return OfflineBench(llm=llm, engine_args=engine_args, config=config, device=str(device),
                         dtype=rates.matmul_dtype, rates=rates,
-                        figures=ModelFigures.of(config.model_config, element_bytes))
+                        figures=ModelFigures.of(config.model_config, element_bytes,
+                                                config.cache_config.kv_cache_dtype))

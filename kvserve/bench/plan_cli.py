@@ -66,7 +66,7 @@ measured copy and matmul rates (docs/plan.md). Byte figures are per GPU
 predicted beside measured; --sweep does it over batch x context and prompt
 lengths; --calibrate measures this machine's card once and caches it.
 """
-MEASURABLE_WEIGHTS = {"bf16": None, "fp16": None, "int8": "int8", "int4": "int4"}
+MEASURABLE_WEIGHTS = {"bf16": None, "fp16": None, "int8": "int8", "int4": "int4", "fp8": "fp8"}
 
 
 def _number(kind: Callable[[str], Any], low: float, low_ok: bool = True,
@@ -110,7 +110,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", choices=list(WEIGHT_DTYPE_BYTES), default="bf16",
                         help="weight dtype of the linear layers (default bf16)")
     parser.add_argument("--kv-dtype", choices=list(KV_DTYPE_BYTES), default="bf16",
-                        help="KV-cache dtype (default bf16)")
+                        help="KV-cache dtype (default bf16; int8 counts kvserve's float32 "
+                             "scale per token and KV head; --measure runs fp8 and int8 as "
+                             "--kv-cache-dtype fp8_e4m3 / int8)")
     spec = parser.add_argument_group(
         "speculative decoding (give all three; the figures are upper bounds: "
         + SPEC_UPPER_BOUND_NOTE + ")")
@@ -280,9 +282,6 @@ def _check_measurable(args: argparse.Namespace, inputs: PlanInputs) -> None:
     if inputs.weights not in MEASURABLE_WEIGHTS:
         raise PlanError("--weights", f"--measure runs {', '.join(MEASURABLE_WEIGHTS)} weights; "
                                      f"got {inputs.weights}")
-    if inputs.kv_dtype not in ("bf16", "fp16"):
-        raise PlanError("--kv-dtype", f"--measure runs a bf16 or fp16 KV cache; got "
-                                      f"{inputs.kv_dtype}")
     if args.plot and not args.sweep:
         raise PlanError("--plot", "with --measure, --plot draws a --sweep; add --sweep")
 

@@ -93,17 +93,19 @@ class PlanMeasurer:
     @classmethod
     def start(cls, model: str, *, device: str, dtype: str, max_batch: int, max_model_len: int,
               steps: int = DECODE_STEPS, repeats: int = PREFILL_REPEATS,
-              quantization: str | None = None) -> PlanMeasurer:
+              quantization: str | None = None, kv_cache_dtype: str = "auto") -> PlanMeasurer:
         """Measure the device's rates, then build the engine for ``max_batch``
         requests of up to ``max_model_len`` tokens (prefix caching off,
         prefill chunks of the plan's ``PREFILL_CHUNK_TOKENS``; ``quantization``
-        rounds the linears at load, as ``--quantization`` does)."""
+        rounds the linears at load, as ``--quantization`` does; ``kv_cache_dtype``
+        as ``--kv-cache-dtype``)."""
         if steps < 2 or repeats < 1:
             raise PlanError("--measure-steps", f"need >= 2 steps and >= 1 repeat, got {steps} "
                                                f"and {repeats}")
         args = EngineArgs(model=model, load_format="dummy", dtype=dtype, device=device,
                           max_num_seqs=max_batch, max_model_len=max_model_len,
                           enable_prefix_caching=False, quantization=quantization,
+                          kv_cache_dtype=kv_cache_dtype,
                           max_num_batched_tokens=max(PREFILL_CHUNK_TOKENS, max_batch))
         return cls(start(args, args.create_engine_config()), steps, repeats)
 

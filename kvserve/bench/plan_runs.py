@@ -21,7 +21,7 @@ from kvserve.bench.plan_cli import (
     sweep_points,
 )
 from kvserve.plan.compare import DecodeMeasurement, PrefillMeasurement
-from kvserve.plan.counts import Hardware, PlanError, PlanInputs
+from kvserve.plan.counts import PLAN_KV_DTYPES, Hardware, PlanError, PlanInputs
 from kvserve.plan.fit import DecodeSample, PrefillSample, fit_constants
 from kvserve.plan.gpus import GPUS, GpuSpec, get_gpu
 from kvserve.plan.report import format_fit
@@ -85,7 +85,9 @@ def run_measure(args: argparse.Namespace, setup: _Setup) -> int:
         measurer = PlanMeasurer.start(
             args.model, device=device, dtype=dtype, max_batch=max(d.batch for d in decodes),
             max_model_len=max_model_len, steps=steps, repeats=args.measure_repeats,
-            quantization=MEASURABLE_WEIGHTS[setup.inputs.weights])
+            quantization=MEASURABLE_WEIGHTS[setup.inputs.weights],
+            kv_cache_dtype={v: k for k, v in PLAN_KV_DTYPES.items()}.get(setup.inputs.kv_dtype,
+                                                                         "auto"))
         run = measurer.run_info()
         measured: dict[tuple[str, int, int], DecodeMeasurement | PrefillMeasurement] = {}
         skipped: dict[tuple[str, int, int], str] = {}

@@ -109,6 +109,7 @@ class EngineArgs:
     max_lora_rank: int = 16
     block_size: int = 16
     num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
@@ -194,6 +195,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
                 gpu_memory_utilization=self.gpu_memory_utilization,
             ),
             scheduler_config=SchedulerConfig(
@@ -331,6 +333,11 @@ class EngineArgs:
         group.add_argument("--num-kv-blocks", type=int, default=None,
                            help="KV-cache blocks to allocate (default: sized from "
                                 "--gpu-memory-utilization on CUDA, from the model on the CPU)")
+        group.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
+                           help="auto (the model's dtype) | fp8_e4m3 (alias fp8: scales from "
+                                "the checkpoint, else 1.0) | int8 (a scale per token and KV "
+                                "head): about twice the tokens in the same memory "
+                                "(default: %(default)s)")
         group.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
                            action=argparse.BooleanOptionalAction,
                            default=defaults.enable_prefix_caching,

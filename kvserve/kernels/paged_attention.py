@@ -60,6 +60,17 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kvserve.kernels.kv_quant import (
+    KV_FP8,
+    KV_INT8,
+    check_kv_scales,
+    dequant_scores,
+    dequant_values,
+    head_scales,
+    kv_quant_mode,
+    scale_index,
+    scale_pointers,
+)
 from kvserve.kernels.pdl import use_pdl
 from kvserve.kernels.rope_store_kv import check_new_kv, store_rotated_kv
 from kvserve.kernels.rotary import rotate_pair
@@ -103,11 +114,13 @@ def _find_request(query_start_loc_ptr, q_block_idx, num_reqs, BLOCK_Q: tl.conste
 
 @triton.jit
 def _load_kv_tile(
-    k_cache_ptr, v_cache_ptr, block_table_row, key_pos, key_valid, kv_head, dims, dim_mask,
-    stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE: tl.constexpr,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, key_pos, key_valid,
+    kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head,
+    stride_scale_slot, BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     """K and V of one KV head at ``key_pos`` ([BLOCK_N]), gathered through the
-    block table: two [BLOCK_N, HEAD_DIM_PAD] tiles, zero where masked."""
+    block table: two [BLOCK_N, HEAD_DIM_PAD] tiles, zero where masked, as
+    stored; with an int8 cache also their [BLOCK_N] scales (else unused zeros)."""
     block_id = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
     # [BLOCK_N] element offset of each position's head vector
     kv_offset = (
@@ -117,20 +130,30 @@ def _load_kv_tile(
     kv_mask = key_valid[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    return k, v
+    if KV_QUANT == KV_INT8:
+        scale_idx = scale_index(block_id, key_pos % BLOCK_SIZE, kv_head, stride_scale_slot,
+                                BLOCK_SIZE, KV_QUANT)
+        k_scale = tl.load(k_scale_ptr + scale_idx, mask=key_valid, other=0.0)
+        v_scale = tl.load(v_scale_ptr + scale_idx, mask=key_valid, other=0.0)
+    else:
+        k_scale = tl.zeros(key_pos.shape, dtype=tl.float32)
+        v_scale = k_scale
+    return k, v, k_scale, v_scale
 
 
 @triton.jit
-def _attend_tile(q, k, v, key_valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+def _attend_tile(q, k, v, k_scale, v_scale, key_valid, m_i, l_i, acc, scale_log2,
+                 DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
     """One K/V tile of the decode kernel's online softmax: the running max
     ``m_i`` and sum ``l_i`` (base 2) and the unnormalised output ``acc``."""
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    scores = dequant_scores(q, k, k_scale, scale_log2, DOT_PRECISION, KV_QUANT)
     scores = tl.where(key_valid[None, :], scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + dequant_values(p, v, v_scale, q.dtype, DOT_PRECISION,
+                                                  KV_QUANT)
     return m_new, l_i, acc
 
 
@@ -139,6 +162,8 @@ def prefill_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale_ptr,  # float32 kv_scales[0] (kv_quant.py), read only when quantised
+    v_scale_ptr,  # float32 kv_scales[1]
     out_ptr,  # [num_tokens, num_heads, head_dim]
     query_start_loc_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
@@ -153,6 +178,7 @@ def prefill_attention_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    stride_scale_slot,
     stride_bt,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     GROUP: tl.constexpr,  # query heads per KV head
@@ -165,6 +191,7 @@ def prefill_attention_kernel(
     USE_WINDOW: tl.constexpr,
     SKIP_DECODES: tl.constexpr,  # leave requests of one new token to decode_attention
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # kv_quant.KV_NONE, KV_FP8 or KV_INT8
 ):
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -205,14 +232,17 @@ def prefill_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    scale_log2, v_head_scale = head_scales(k_scale_ptr, v_scale_ptr, kv_head, scale_log2,
+                                            KV_QUANT)
     for tile_start in range(kv_start, kv_end, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         key_valid = key_pos < kv_end
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row, key_pos, key_valid,
-                             kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot,
-                             stride_cache_head, BLOCK_SIZE)
+        k, v, k_scale, v_scale = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, key_pos,
+            key_valid, kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot,
+            stride_cache_head, stride_scale_slot, BLOCK_SIZE, KV_QUANT)
         # [BLOCK_M, BLOCK_N]
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = dequant_scores(q, k, k_scale, scale_log2, DOT_PRECISION, KV_QUANT)
         allowed = key_pos[None, :] <= q_pos[:, None]
         if USE_WINDOW:
             allowed = allowed & (key_pos[None, :] > q_pos[:, None] - sliding_window)
@@ -221,9 +251,12 @@ def prefill_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + dequant_values(p, v, v_scale, q.dtype, DOT_PRECISION,
+                                                      KV_QUANT)
         m_i = m_new
 
+    if KV_QUANT == KV_FP8:
+        acc = acc * v_head_scale
     # padded rows saw no key (l_i = 0); they are not stored, keep them finite
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -272,6 +305,8 @@ def decode_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale_ptr,  # float32 kv_scales[0] (kv_quant.py), read only when quantised
+    v_scale_ptr,  # float32 kv_scales[1]
     out_ptr,  # [num_tokens, num_heads, head_dim]
     part_out_ptr,  # [num_reqs, num_heads, num_splits, head_dim] fp32, unnormalised
     part_max_ptr,  # [num_reqs, num_heads, num_splits] fp32, base-2 running max
@@ -294,6 +329,7 @@ def decode_attention_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    stride_scale_slot,
     stride_bt,
     stride_new_k_token,
     stride_new_k_head,
@@ -315,6 +351,7 @@ def decode_attention_kernel(
     FUSE_ROPE: tl.constexpr,  # rotate q and write the new k, v here (rope_store_kv's work)
     HALF: tl.constexpr,  # head_dim // 2, a power of two, when FUSE_ROPE
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (kernels/pdl.py)
+    KV_QUANT: tl.constexpr,  # kv_quant.KV_NONE, KV_FP8 or KV_INT8
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -354,6 +391,8 @@ def decode_attention_kernel(
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    scale_log2, v_head_scale = head_scales(k_scale_ptr, v_scale_ptr, kv_head, scale_log2,
+                                            KV_QUANT)
     loop_start = split_start
     if FUSE_ROPE:
         # rope_store_kv's work for this token: a decode token sits at position
@@ -371,9 +410,10 @@ def decode_attention_kernel(
         sin = tl.load(cos_sin_row + HALF + halves)
         first_pos = split_start + tl.arange(0, BLOCK_N)
         first_valid = first_pos < split_end
-        first_k, first_v = _load_kv_tile(
-            k_cache_ptr, v_cache_ptr, block_table_row, first_pos, first_valid, kv_head, dims,
-            dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE)
+        first_k, first_v, first_k_scale, first_v_scale = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, first_pos,
+            first_valid, kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot,
+            stride_cache_head, stride_scale_slot, BLOCK_SIZE, KV_QUANT)
     if PDL:
         # everything above is the step's input or earlier steps' cache; q, k
         # and v are the previous kernel's output. Once they are readable, the
@@ -395,18 +435,24 @@ def decode_attention_kernel(
                 store_rotated_kv(
                     new_k_ptr + q_start * stride_new_k_token + kv_head * stride_new_k_head,
                     new_v_ptr + q_start * stride_new_v_token + kv_head * stride_new_v_head,
-                    k_cache_ptr, v_cache_ptr, slot, kv_head, rotate, cos, sin,
-                    stride_cache_block, stride_cache_slot, stride_cache_head,
-                    BLOCK_SIZE, HALF, HALF, HEAD_DIM, HEAD_DIM_PAD, 1)
+                    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot, kv_head, rotate,
+                    cos, sin, stride_cache_block, stride_cache_slot, stride_cache_head,
+                    stride_scale_slot, BLOCK_SIZE, HALF, HALF, HEAD_DIM, HEAD_DIM_PAD, 1,
+                    KV_QUANT)
             tl.debug_barrier()
         this_token = first_valid & (first_pos == pos)  # all false but in the last split
-        new_k, new_v = _load_kv_tile(
-            k_cache_ptr, v_cache_ptr, block_table_row, first_pos, this_token, kv_head, dims,
-            dim_mask, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE)
+        new_k, new_v, new_k_scale, new_v_scale = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, first_pos,
+            this_token, kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot,
+            stride_cache_head, stride_scale_slot, BLOCK_SIZE, KV_QUANT)
         first_k = tl.where(this_token[:, None], new_k, first_k)
         first_v = tl.where(this_token[:, None], new_v, first_v)
-        m_i, l_i, acc = _attend_tile(q, first_k, first_v, first_valid, m_i, l_i, acc,
-                                     scale_log2, DOT_PRECISION)
+        if KV_QUANT == KV_INT8:
+            first_k_scale = tl.where(this_token, new_k_scale, first_k_scale)
+            first_v_scale = tl.where(this_token, new_v_scale, first_v_scale)
+        m_i, l_i, acc = _attend_tile(q, first_k, first_v, first_k_scale, first_v_scale,
+                                     first_valid, m_i, l_i, acc, scale_log2, DOT_PRECISION,
+                                     KV_QUANT)
         loop_start = split_start + BLOCK_N
     else:
         q = tl.load(q_row + dims[None, :], mask=row_valid[:, None] & dim_mask[None, :],
@@ -415,12 +461,15 @@ def decode_attention_kernel(
     for tile_start in range(loop_start, split_end, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)
         key_valid = key_pos < split_end
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row, key_pos, key_valid,
-                             kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot,
-                             stride_cache_head, BLOCK_SIZE)
-        m_i, l_i, acc = _attend_tile(q, k, v, key_valid, m_i, l_i, acc, scale_log2,
-                                     DOT_PRECISION)
+        k, v, k_scale, v_scale = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, key_pos,
+            key_valid, kv_head, dims, dim_mask, stride_cache_block, stride_cache_slot,
+            stride_cache_head, stride_scale_slot, BLOCK_SIZE, KV_QUANT)
+        m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, key_valid, m_i, l_i, acc,
+                                     scale_log2, DOT_PRECISION, KV_QUANT)
 
+    if KV_QUANT == KV_FP8:
+        acc = acc * v_head_scale
     store_mask = row_valid[:, None] & dim_mask[None, :]
     if useful_splits == 1:
         # the whole context in this program (always so with one split): the
@@ -477,19 +526,25 @@ def _check_inputs(
     block_table: torch.Tensor,
     sliding_window: int | None,
     out: torch.Tensor | None,
+    kv_scales: torch.Tensor | None,
 ) -> torch.Tensor:
     """Validate the common inputs; return ``out`` (allocated when None)."""
     check_kv_cache(kv_cache)
+    check_kv_scales(kv_cache, kv_scales)
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
         raise ValueError(
             f"q: shape {tuple(q.shape)}; expected [num_tokens, num_heads, {head_dim}] with "
             f"num_heads a multiple of num_kv_heads={num_kv_heads}"
         )
-    if q.dtype != kv_cache.dtype or q.stride(-1) != 1 or q.device != kv_cache.device:
+    # a quantised cache is read in q's dtype, any of the others'
+    q_dtypes = ((torch.float16, torch.bfloat16, torch.float32) if kv_quant_mode(kv_cache.dtype)
+                else (kv_cache.dtype,))
+    if q.dtype not in q_dtypes or q.stride(-1) != 1 or q.device != kv_cache.device:
         raise ValueError(
             f"q: dtype {q.dtype}, last stride {q.stride(-1)}, device {q.device}; expected "
-            f"dtype {kv_cache.dtype}, last stride 1, device {kv_cache.device} (the cache's)"
+            f"dtype {' or '.join(map(str, q_dtypes))}, last stride 1, device "
+            f"{kv_cache.device} (the cache's)"
         )
     num_reqs = seq_lens.shape[0]
     for name, tensor, shape in (
@@ -536,6 +591,7 @@ def prefill_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     skip_decodes: bool = False,
+    kv_scales: torch.Tensor | None = None,  # an fp8 or int8 cache's (kernels/kv_quant.py)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal paged attention for any mix of prefills, chunked prefills and decodes.
 
@@ -547,7 +603,7 @@ def prefill_attention(
     a tile made for many query tokens.
     """
     out = _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
-                        out)
+                        out, kv_scales)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -556,17 +612,19 @@ def prefill_attention(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
-    max_rows, block_n = _prefill_tile_limits(kv_cache.dtype, head_dim_pad)
+    max_rows, block_n = _prefill_tile_limits(q.dtype, head_dim_pad)
     block_m = max(min(max_rows, max(16, triton.next_power_of_2(max_query_len * group_pad))),
                   group_pad)
     block_q = block_m // group_pad
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_scales, v_scales, stride_scale_slot = scale_pointers(kv_cache, kv_scales)
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     prefill_attention_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+        q, k_cache, v_cache, k_scales, v_scales, out, query_start_loc, seq_lens, block_table,
         scale * LOG2E, num_reqs, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_scale_slot,
+        block_table.stride(0),
         BLOCK_SIZE=block_size,
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -577,7 +635,8 @@ def prefill_attention(
         BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None,
         SKIP_DECODES=skip_decodes,
-        DOT_PRECISION=_dot_precision(kv_cache.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype),
+        KV_QUANT=kv_quant_mode(kv_cache.dtype),
         num_warps=8 if block_m >= 128 else 4,
         num_stages=3,
     )
@@ -668,6 +727,7 @@ def decode_attention(
     num_splits: int | None = None,
     min_split_tokens: int = MIN_SPLIT_TOKENS,
     new_kv: NewKV | None = None,
+    kv_scales: torch.Tensor | None = None,  # an fp8 or int8 cache's (kernels/kv_quant.py)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Split-K paged attention of the requests with exactly one new token.
 
@@ -691,7 +751,7 @@ def decode_attention(
     Full rotary only, on a power-of-two head_dim (``fuses_new_kv``).
     """
     out = _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, sliding_window,
-                        out)
+                        out, kv_scales)
     num_tokens, num_heads, head_dim = q.shape
     if new_kv is None:  # the new-KV pointers go unread: any tensor of the right dtype will do
         new_k, new_v, slots, cos_sin = q, q, seq_lens, out
@@ -714,7 +774,7 @@ def decode_attention(
     # 128 positions of 16-bit KV per tile: as fast as 64 on even contexts, up to
     # 1.4x faster on ragged or long ones (H100, decision 0013), except at the
     # smallest batches (decision 0014)
-    if kv_cache.dtype == torch.float32 or head_dim_pad > 128:
+    if q.dtype == torch.float32 or head_dim_pad > 128:
         block_n = 32
     else:
         block_n = 64 if num_splits >= SHORT_TILE_MIN_SPLITS else 128
@@ -730,13 +790,15 @@ def decode_attention(
         part_out = part_max = part_sum = out
         semaphores = seq_lens  # unused by the one-split kernel
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_scales, v_scales, stride_scale_slot = scale_pointers(kv_cache, kv_scales)
     pdl = use_pdl(q.device)
     decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_max, part_sum, semaphores,
+        q, k_cache, v_cache, k_scales, v_scales, out, part_out, part_max, part_sum, semaphores,
         query_start_loc, seq_lens, block_table, new_k, new_v, slots, cos_sin, cos_sin.shape[0],
         scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_scale_slot,
+        block_table.stride(0),
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos_sin.stride(0),
         BLOCK_SIZE=block_size,
         GROUP=group,
@@ -750,10 +812,11 @@ def decode_attention(
         MERGE_HEADS=min(triton.next_power_of_2(group),
                         max(1, MERGE_TILE_ELEMENTS // (splits_pad * head_dim_pad))),
         MIN_SPLIT=min_split_tokens,
-        DOT_PRECISION=_dot_precision(kv_cache.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype),
         FUSE_ROPE=new_kv is not None,
         HALF=head_dim // 2,
         PDL=pdl,
+        KV_QUANT=kv_quant_mode(kv_cache.dtype),
         num_warps=4,
         num_stages=2,
         launch_pdl=pdl,

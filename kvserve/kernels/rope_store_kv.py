@@ -26,6 +26,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels.kv_quant import (
+    KV_FP8,
+    KV_INT8,
+    abs_max,
+    check_kv_scales,
+    int8_scale,
+    kv_quant_mode,
+    scale_index,
+    scale_pointers,
+    store_kv_row,
+    to_cache,
+)
 from kvserve.kernels.rotary import check_rotary_inputs, heads_view, rotate_heads, rotate_pair
 from kvserve.kernels.store_kv import check_kv_cache
 
@@ -39,6 +51,8 @@ def rope_store_kv_kernel(
     v_ptr,  # [num_tokens, num_kv_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale_ptr,  # float32 kv_scales[0] (kv_quant.py), read only when quantised
+    v_scale_ptr,  # float32 kv_scales[1]
     cos_sin_ptr,  # [max_position, 2 * HALF] float32: cos | sin
     max_position,
     stride_q_token,
@@ -50,6 +64,7 @@ def rope_store_kv_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    stride_scale_slot,
     stride_cos_sin_pos,
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -59,6 +74,7 @@ def rope_store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     TAIL_PAD: tl.constexpr,  # covers the head_dim - rotary_dim unrotated dims (at least 1)
+    KV_QUANT: tl.constexpr,  # kv_quant.KV_NONE, KV_FP8 or KV_INT8
 ):
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -77,47 +93,64 @@ def rope_store_kv_kernel(
     if slot >= 0:
         store_rotated_kv(k_ptr + token * stride_k_token + kv_head * stride_k_head,
                          v_ptr + token * stride_v_token + kv_head * stride_v_head,
-                         k_cache_ptr, v_cache_ptr, slot, kv_head, rotate, cos, sin,
-                         stride_cache_block, stride_cache_slot, stride_cache_head,
-                         BLOCK_SIZE, HALF, HALF_PAD, HEAD_DIM, HEAD_DIM_PAD, TAIL_PAD)
+                         k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot, kv_head,
+                         rotate, cos, sin, stride_cache_block, stride_cache_slot,
+                         stride_cache_head, stride_scale_slot,
+                         BLOCK_SIZE, HALF, HALF_PAD, HEAD_DIM, HEAD_DIM_PAD, TAIL_PAD, KV_QUANT)
 
 
 @triton.jit
 def store_rotated_kv(
     k_head,  # this token's k of one KV head: [head_dim], unit stride
     v_head,  # its v
-    k_cache_ptr, v_cache_ptr, slot, kv_head, rotate, cos, sin,
-    stride_cache_block, stride_cache_slot, stride_cache_head,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot, kv_head, rotate, cos, sin,
+    stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_slot,
     BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     """Write one token's k (rotated by ``cos``/``sin`` when ``rotate``) and v of one
-    KV head into the cache at ``slot`` (>= 0): the one KV write of a rotated key,
-    shared with the decode attention kernel, which does it for a decode step."""
+    KV head into the cache at ``slot`` (>= 0), cast or quantised (``kv_quant.py``):
+    the one KV write of a rotated key, shared with the decode attention kernel,
+    which does it for a decode step."""
     cache_offset = ((slot // BLOCK_SIZE) * stride_cache_block
                     + (slot % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head)
     k_cache_head = k_cache_ptr + cache_offset
-    cache_dtype = k_cache_ptr.dtype.element_ty
+    scale_idx = scale_index(slot // BLOCK_SIZE, slot % BLOCK_SIZE, kv_head, stride_scale_slot,
+                            BLOCK_SIZE, KV_QUANT)
     dims = tl.arange(0, HALF_PAD)
     half_mask = dims < HALF
     x1 = tl.load(k_head + dims, mask=half_mask)
     x2 = tl.load(k_head + HALF + dims, mask=half_mask)
     rotated1, rotated2 = rotate_pair(x1.to(tl.float32), x2.to(tl.float32), cos, sin)
-    # rounded to k's dtype, then cast to the cache's: as rotating k in place and
-    # copying it would; an out-of-range position keeps k's own bits
+    # rounded to k's dtype, then cast to (or quantised into) the cache's: as
+    # rotating k in place and storing it would; an out-of-range position keeps
+    # k's own bits
     key1 = tl.where(rotate, rotated1.to(k_head.dtype.element_ty), x1)
     key2 = tl.where(rotate, rotated2.to(k_head.dtype.element_ty), x2)
-    tl.store(k_cache_head + dims, key1.to(cache_dtype), mask=half_mask)
-    tl.store(k_cache_head + HALF + dims, key2.to(cache_dtype), mask=half_mask)
     tail = 2 * HALF + tl.arange(0, TAIL_PAD)  # partial rotary: copied as they are
     tail_mask = tail < HEAD_DIM
     key_tail = tl.load(k_head + tail, mask=tail_mask)
-    tl.store(k_cache_head + tail, key_tail.to(cache_dtype), mask=tail_mask)
+    if KV_QUANT == KV_INT8:  # the scale of the whole head vector
+        k_scale = int8_scale(tl.maximum(tl.maximum(abs_max(key1, half_mask),
+                                                   abs_max(key2, half_mask)),
+                                        abs_max(key_tail, tail_mask)))
+        tl.store(k_scale_ptr + scale_idx, k_scale)
+    elif KV_QUANT == KV_FP8:
+        k_scale = tl.load(k_scale_ptr + scale_idx)
+    else:
+        k_scale = 1.0
+    tl.store(k_cache_head + dims, to_cache(key1, k_scale, k_cache_head, KV_QUANT),
+             mask=half_mask)
+    tl.store(k_cache_head + HALF + dims, to_cache(key2, k_scale, k_cache_head, KV_QUANT),
+             mask=half_mask)
+    tl.store(k_cache_head + tail, to_cache(key_tail, k_scale, k_cache_head, KV_QUANT),
+             mask=tail_mask)
     head_dims = tl.arange(0, HEAD_DIM_PAD)
     head_mask = head_dims < HEAD_DIM
     value = tl.load(v_head + head_dims, mask=head_mask)
-    tl.store(v_cache_ptr + cache_offset + head_dims,
-             value.to(v_cache_ptr.dtype.element_ty), mask=head_mask)
+    store_kv_row(value, v_cache_ptr + cache_offset + head_dims, v_scale_ptr + scale_idx,
+                 head_mask, KV_QUANT)
 
 
 def rope_store_kv(
@@ -129,13 +162,16 @@ def rope_store_kv(
     positions: torch.Tensor,  # [num_tokens] int32 or int64
     cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] float32: cos | sin
     rotary_dim: int,
+    kv_scales: torch.Tensor | None = None,  # an fp8 or int8 cache's (kv_quant.py)
 ) -> None:
     """Rotate ``q`` in place by ``positions`` and write ``k`` rotated, and ``v``, into
-    ``kv_cache`` at ``slot_mapping``; ``k`` is left as it was.
+    ``kv_cache`` at ``slot_mapping`` (quantised into an fp8 or int8 cache, an
+    int8 cache's scales written into ``kv_scales``); ``k`` is left as it was.
 
     q, k and v need only a unit last stride (views of a packed qkv tensor do).
     """
     check_kv_cache(kv_cache)
+    check_kv_scales(kv_cache, kv_scales)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     check_rotary_inputs(positions, cos_sin_cache, head_dim, rotary_dim)
     num_tokens = positions.shape[0]
@@ -150,11 +186,13 @@ def rope_store_kv(
     group = q3.shape[1] // num_kv_heads
     half = rotary_dim // 2
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_scales, v_scales, stride_scale_slot = scale_pointers(kv_cache, kv_scales)
     rope_store_kv_kernel[(num_tokens, num_kv_heads)](
-        positions, slot_mapping, q3, k3, v3, k_cache, v_cache, cos_sin_cache,
-        cos_sin_cache.shape[0],
+        positions, slot_mapping, q3, k3, v3, k_cache, v_cache, k_scales, v_scales,
+        cos_sin_cache, cos_sin_cache.shape[0],
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_scale_slot,
+        cos_sin_cache.stride(0),
         BLOCK_SIZE=block_size,
         GROUP=group,
         GROUP_PAD=triton.next_power_of_2(group),
@@ -163,6 +201,7 @@ def rope_store_kv(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         TAIL_PAD=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
+        KV_QUANT=kv_quant_mode(kv_cache.dtype),
     )
 
 

@@ -1,7 +1,9 @@
 """The KV write kernel: stores each new token's K and V into the paged cache
 at its slot (``slot = block_id * block_size + offset``, from the metadata's
-slot mapping). Negative slots are skipped, so padded tokens (CUDA-graph
-batches) write nothing. It owns no allocation and never reads the cache.
+slot mapping), cast to the cache dtype or quantised into an fp8 or int8 cache
+(``kv_quant.py``; an int8 write also stores each head vector's scale).
+Negative slots are skipped, so padded tokens (CUDA-graph batches) write
+nothing. It owns no allocation and never reads the cache.
 """
 
 from __future__ import annotations
@@ -10,7 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
-CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from kvserve.kernels.kv_quant import (
+    QUANTISED_DTYPES,
+    check_kv_scales,
+    kv_quant_mode,
+    scale_index,
+    scale_pointers,
+    store_kv_row,
+)
+
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *QUANTISED_DTYPES)
 
 
 @triton.jit
@@ -19,6 +30,8 @@ def store_kv_kernel(
     v_ptr,  # [num_tokens, num_kv_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale_ptr,  # float32 kv_scales[0] (kv_quant.py), read only when quantised
+    v_scale_ptr,  # float32 kv_scales[1]
     slot_mapping_ptr,  # [num_tokens] int64
     stride_k_token,
     stride_k_head,
@@ -27,9 +40,11 @@ def store_kv_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    stride_scale_slot,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # kv_quant.KV_NONE, KV_FP8 or KV_INT8
 ):
     token_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -48,8 +63,10 @@ def store_kv_kernel(
                   mask=dim_mask)
     value = tl.load(v_ptr + token_idx * stride_v_token + kv_head * stride_v_head + dims,
                     mask=dim_mask)
-    tl.store(k_cache_ptr + cache_offset, key.to(k_cache_ptr.dtype.element_ty), mask=dim_mask)
-    tl.store(v_cache_ptr + cache_offset, value.to(v_cache_ptr.dtype.element_ty), mask=dim_mask)
+    scale_idx = scale_index(block_id, block_offset, kv_head, stride_scale_slot, BLOCK_SIZE,
+                            KV_QUANT)
+    store_kv_row(key, k_cache_ptr + cache_offset, k_scale_ptr + scale_idx, dim_mask, KV_QUANT)
+    store_kv_row(value, v_cache_ptr + cache_offset, v_scale_ptr + scale_idx, dim_mask, KV_QUANT)
 
 
 def check_kv_cache(kv_cache: torch.Tensor) -> None:
@@ -71,9 +88,12 @@ def store_kv(
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    kv_scales: torch.Tensor | None = None,  # an fp8 or int8 cache's (kv_quant.py)
 ) -> None:
-    """Write ``k`` and ``v`` into ``kv_cache`` at ``slot_mapping`` (cast to the cache dtype)."""
+    """Write ``k`` and ``v`` into ``kv_cache`` at ``slot_mapping``, cast to the cache
+    dtype or quantised (an int8 cache's scales written into ``kv_scales``)."""
     check_kv_cache(kv_cache)
+    check_kv_scales(kv_cache, kv_scales)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
     for name, tensor in (("k", k), ("v", v)):
@@ -101,11 +121,13 @@ def store_kv(
     if num_tokens == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_scales, v_scales, stride_scale_slot = scale_pointers(kv_cache, kv_scales)
     store_kv_kernel[(num_tokens, num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_scale_slot,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        KV_QUANT=kv_quant_mode(kv_cache.dtype),
     )

@@ -6,9 +6,9 @@ rotary module, it also owns where rope runs: inside the backend, fused with
 the KV write, when the backend ``fuses_rope`` and the module's
 ``use_triton`` is on (the Triton backend on CUDA: one launch fewer per
 layer), else through the module before the backend (the torch reference
-path, unchanged). The model runner allocates the caches and calls
-``bind_kv_cache`` once; the layer never allocates or frees cache memory
-itself.
+path, unchanged). The model runner allocates the caches (and an fp8 or
+int8 cache's scales) and calls ``bind_kv_cache`` once; the layer never
+allocates or frees cache memory itself.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         # [2, num_blocks, block_size, num_kv_heads, head_dim], set by bind_kv_cache
         self.kv_cache: torch.Tensor | None = None
+        # an fp8 or int8 cache's scales (kernels/kv_quant.py), set by bind_kv_cache
+        self.kv_scales: torch.Tensor | None = None
+        # the checkpoint's fp8 KV-cache scales, [2 (K, V), num_kv_heads] float32,
+        # set by the loader (models/kv_scales.py) when it has them
+        self.checkpoint_kv_scales: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
 
     def forward(
@@ -78,6 +83,7 @@ class Attention(nn.Module):
             self.scale,
             self.sliding_window,
             rope,
+            self.kv_scales,
         )  # [num_tokens, num_heads, head_dim]
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
@@ -94,17 +100,19 @@ def get_attention_layers(model: nn.Module) -> list[Attention]:
 
 
 def bind_kv_cache(
-    model: nn.Module, kv_caches: Sequence[torch.Tensor], backend: AttentionBackend
+    model: nn.Module, kv_caches: Sequence[torch.Tensor], backend: AttentionBackend,
+    kv_scales: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """Give attention layer ``i`` the cache ``kv_caches[i]`` and the step's backend.
+    """Give attention layer ``i`` the cache ``kv_caches[i]`` (with an fp8 or int8
+    cache, its scales ``kv_scales[i]``) and the step's backend.
 
     Each cache is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
     """
     layers = get_attention_layers(model)
-    if len(layers) != len(kv_caches):
+    if len(layers) != len(kv_caches) or len(layers) != len(kv_scales or kv_caches):
         raise ValueError(
-            f"bind_kv_cache: model has {len(layers)} attention layers "
-            f"but got {len(kv_caches)} KV caches"
+            f"bind_kv_cache: model has {len(layers)} attention layers but got "
+            f"{len(kv_caches)} KV caches and {len(kv_scales or kv_caches)} scales"
         )
     for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
         expected = (2, layer.num_kv_heads, layer.head_dim)
@@ -114,4 +122,5 @@ def bind_kv_cache(
                 f"[2, num_blocks, block_size, {layer.num_kv_heads}, {layer.head_dim}]"
             )
         layer.kv_cache = cache
+        layer.kv_scales = None if kv_scales is None else kv_scales[i]
         layer.backend = backend

@@ -2,7 +2,8 @@
 
 Owns choosing the dtype, building the model on its device in its dtype, and
 filling it either with seeded random weights (``load_format="dummy"``) or by streaming tensors from
-``model.safetensors`` / the shards of ``model.safetensors.index.json``; then
+``model.safetensors`` / the shards of ``model.safetensors.index.json`` (its
+KV-cache scales, if any, to the attention layers: ``kv_scales.py``); then
 each linear's method finishes its weights (``process_weights_after_loading``).
 A quantised model's linears hold kvserve's packed layout from the start, so
 a 16-bit copy of its weights is never built on the device.
@@ -23,6 +24,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.layers.norm import RMSNorm
+from kvserve.models.kv_scales import KVScaleReader
 from kvserve.models.registry import CausalLM, get_model_class
 from kvserve.quant.formats.stream import quantized_stream
 from kvserve.quant.methods import LinearMethod
@@ -91,11 +93,13 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        weights = iter_safetensors(files)
+        kv_scales = KVScaleReader(model, config)  # an FP8 checkpoint's KV-cache scales
+        weights = kv_scales.filter(iter_safetensors(files))
         if config.quantization is not None:  # converted into kvserve's packed layout
             weights = quantized_stream(config.quantization, weights,
                                        model.linear_module_names().__contains__, dtype, device)
         model.load_weights(weights)
+        kv_scales.finish()
     for module in model.modules():
         method: LinearMethod | None = getattr(module, "quant_method", None)
         if method is not None:

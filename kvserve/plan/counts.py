@@ -24,6 +24,11 @@ WEIGHT_DTYPE_BYTES: dict[str, float] = {
     "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5,
 }
 KV_DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+# bytes of the scale kept beside each token's head vector: kvserve's int8 KV
+# cache has a float32 one per token, KV head and K/V (fp8's are per layer and head)
+KV_SCALE_BYTES: dict[str, int] = {"int8": 4}
+# the engine's quantised --kv-cache-dtype -> the plan's --kv-dtype
+PLAN_KV_DTYPES: dict[str, str] = {"fp8_e4m3": "fp8", "int8": "int8"}
 # embeddings, lm_head, norms and biases stay 16-bit when the linears are quantized
 UNQUANTIZED_BYTES = 2.0
 # activations between the kernels of a step are 16-bit; logits are float32
@@ -205,10 +210,12 @@ def lm_head_bytes(params: ParamCount, inputs: PlanInputs) -> float:
 
 
 def kv_bytes_per_token(model: ModelConfig, inputs: PlanInputs) -> int:
-    """2 (K and V) x layers x KV heads on this GPU x head_dim x bytes."""
+    """2 (K and V) x layers x KV heads on this GPU x (head_dim x bytes, plus an
+    int8 cache's per-token scale)."""
     kv_heads_per_gpu = math.ceil(model.num_kv_heads / inputs.tp)
-    return (2 * model.num_layers * kv_heads_per_gpu * model.head_dim
-            * KV_DTYPE_BYTES[inputs.kv_dtype])
+    return (2 * model.num_layers * kv_heads_per_gpu
+            * (model.head_dim * KV_DTYPE_BYTES[inputs.kv_dtype]
+               + KV_SCALE_BYTES.get(inputs.kv_dtype, 0)))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,11 @@ kvserve's packed layout (``quant/packing.py``: ``qweight``, ``scales``,
 holds them in the kernels' layout instead (``repack_for_kernels``: INT4
 nibbles reordered, scales and zeros group-major) and runs the Triton kernels
 of ``kernels/quant_matmul.py``, else the torch reference (dequantise, one
-float32 matmul). Loading checkpoints
+float32 matmul). ``Fp8LinearMethod`` holds FP8 W8A8 weights (e4m3
+``qweight [N, K]``, float32 per-channel ``scales [N, 1]``) and quantises the
+activations per token as it runs: with ``use_triton`` on CUDA through the
+Triton quantiser and ``torch._scaled_mm``, else the torch reference
+(``quant/fp8.py``). Loading checkpoints
 of other layouts is not done here: ``quant/formats`` converts them first.
 A method's parameters are set on the layer by name, so ``layer`` is typed
 ``Any`` here.
@@ -37,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.quant import fp8
 from kvserve.quant.config import QuantConfig
 from kvserve.quant.packing import QuantizedWeight, quantize_rtn, quantized_linear_reference
 
@@ -246,6 +251,67 @@ class WeightOnlyLinearMethod(LinearMethod):
                             self.group_size(layer), bias, gated=True)
 
 
+class Fp8LinearMethod(LinearMethod):
+    """FP8 e4m3 weights with per-channel scales, FP8 activations with dynamic
+    per-token scales (``quant/fp8.py`` defines the arithmetic)."""
+
+    quantized = True
+    weight_names = ("qweight", "scales")
+
+    def __init__(self, config: QuantConfig) -> None:
+        self.config = config
+
+    def create_weights(self, layer: Any) -> None:
+        layer.qweight = _param(layer.output_size, layer.input_size, dtype=torch.float8_e4m3fn)
+        layer.scales = _param(layer.output_size, 1, dtype=torch.float32)
+
+    def input_shard(self, layer: Any, name: str, rank: int) -> tuple[int, int, int] | None:
+        """``qweight`` splits by input columns; per-channel scales are whole."""
+        if name != "qweight":
+            return None
+        k = layer.input_size
+        return rank * k, k, k * layer.tp.size
+
+    def init_dummy(self, layer: Any, generator: torch.Generator, std: float) -> None:
+        n, k = layer.output_size, layer.input_size
+        rows = max(1, _DUMMY_CHUNK_ELEMENTS // k)
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            weight = torch.randn(stop - start, k, generator=generator,
+                                 device=layer.qweight.device) * std
+            qweight, scales = fp8.quantize_weight(weight)
+            layer.qweight[start:stop].copy_(qweight)
+            layer.scales[start:stop].copy_(scales)
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        """Check the loaded scales: finite and >= 0 (a corrupt checkpoint fails here)."""
+        if not bool(torch.isfinite(layer.scales).all()) or bool((layer.scales < 0).any()):
+            raise ValueError("quantization: an fp8 linear's weight scales are not all finite "
+                             f"and >= 0 (output size {layer.output_size})")
+
+    def apply(
+        self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if layer.use_triton and _scaled_mm_supported(x, layer.qweight):
+            from kvserve.kernels.fp8_quant import per_token_quant_fp8
+
+            rows = x.reshape(-1, x.shape[-1])
+            xq, x_scales = per_token_quant_fp8(rows.contiguous())
+            out = torch._scaled_mm(xq, layer.qweight.t(), scale_a=x_scales,
+                                   scale_b=layer.scales.t(), bias=bias, out_dtype=x.dtype)
+            return out.reshape(*x.shape[:-1], layer.output_size)
+        return fp8.fp8_linear_reference(x, layer.qweight, layer.scales, bias)
+
+
+def _scaled_mm_supported(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether ``torch._scaled_mm`` with row-wise scales runs this product: a
+    CUDA device of compute capability 8.9 or newer, a bfloat16 output, both
+    sizes multiples of 16."""
+    n, k = qweight.shape
+    return (x.is_cuda and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
 UNQUANTIZED = UnquantizedLinearMethod()
 
 
@@ -257,6 +323,8 @@ def linear_method(quantization: QuantConfig | None, module_names: list[str]) -> 
         return UNQUANTIZED
     kept = [name for name in module_names if not quantization.quantizes(name)]
     if not kept:
+        if quantization.weight_type == "fp8":
+            return Fp8LinearMethod(quantization)
         return WeightOnlyLinearMethod(quantization)
     if len(kept) != len(module_names):
         raise ValueError(

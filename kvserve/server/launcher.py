@@ -15,7 +15,8 @@ past ``--engine-watchdog-s``) the process exits 1, without waiting for a
 hung engine thread. ``--engine-core process`` (the default on CUDA) runs
 the engine core in its own process (``engine/core_proc.py``); its death
 fails the requests in flight and exits 1 the same way. ``kvserve serve
-MODEL`` is ``--model MODEL``.
+MODEL`` is ``--model MODEL``. With ``--data-parallel-size N`` it starts N
+such servers as children behind a ``kvserve router`` (``kvserve/router/data_parallel.py``).
 """
 
 from __future__ import annotations
@@ -101,8 +102,22 @@ def add_serve_parser(sub: Any) -> None:
                        help="log each request's prompt length and sampling parameters")
     group.add_argument("--disable-log-requests", action="store_false", dest="log_requests",
                        default=False, help="do not log each request (the default; vLLM's spelling)")
+    _add_data_parallel_args(parser)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run_serve)
+
+
+def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
+    from kvserve.router.launcher import add_router_options
+
+    group = parser.add_argument_group("data parallelism")
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="N > 1: N engine servers (one per GPU, or per tensor x pipeline "
+                            "group of GPUs) behind one kvserve router on --host / --port")
+    group.add_argument("--router-startup-timeout-s", type=float, default=600.0,
+                       help="with --data-parallel-size: seconds to wait for the engines to "
+                            "load (default: %(default)s)")
+    add_router_options(parser, prefix="router-")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -171,6 +186,13 @@ def run_serve(args: argparse.Namespace) -> int:
     _take_model_tag(args)
     engine_args = EngineArgs.from_cli_args(args)
     engine_config = engine_args.create_engine_config()  # a bad --model fails here, exit 2
+    if args.data_parallel_size != 1:
+        from kvserve.router.data_parallel import run_data_parallel
+
+        if args.data_parallel_size < 1 or engine_config.parallel_config.nnodes > 1:
+            raise ValueError(f"--data-parallel-size={args.data_parallel_size} is invalid: "
+                             "must be >= 1, on one node")
+        return run_data_parallel(args, getattr(args, "argv", sys.argv[1:]), engine_config)
     if engine_config.parallel_config.node_rank > 0:  # a worker node of a multi-node engine
         from kvserve.engine.engine_core import run_worker_node
 

@@ -2,7 +2,12 @@
 
 One tensor per attention layer the process holds, ``[2, num_blocks,
 block_size, num_kv_heads, head_dim]`` (K then V; with tensor or pipeline
-parallelism, this rank's layers and KV heads: ``KVCacheSpec``). The number
+parallelism, this rank's layers and KV heads: ``KVCacheSpec``), in the
+model's dtype or, with ``kv_cache_dtype`` fp8_e4m3 or int8, quantised
+(``kernels/kv_quant.py``) with one float32 scales tensor per layer beside it:
+``[2, num_kv_heads]`` for fp8 (the checkpoint's, else 1.0), ``[2,
+num_blocks, block_size, num_kv_heads]`` for int8 (per token, counted in the
+block's bytes). The number
 of blocks comes from ``num_kv_blocks`` when given, else from a memory
 budget: on CUDA the share ``gpu_memory_utilization`` of the card minus what
 is already used (weights, context, other processes) and the peak step the
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvserve.attention.kv_quant import KV_CACHE_DTYPES
 from kvserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kvserve.distributed.sharding import (
     describe_sizes,
@@ -42,6 +48,14 @@ logger = logging.getLogger(__name__)
 # memory available once the weights are loaded
 CPU_KV_MIN_REQUESTS = 4
 CPU_KV_MEMORY_SHARE = 0.5
+SCALE_DTYPE = torch.float32  # a quantised cache's scales
+
+
+def kv_cache_dtype(cache_config: CacheConfig, dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type: the model's ``dtype`` for "auto", else quantised."""
+    if cache_config.kv_cache_dtype == "auto":
+        return dtype
+    return KV_CACHE_DTYPES[cache_config.kv_cache_dtype]
 
 
 @dataclass(frozen=True)
@@ -62,8 +76,13 @@ class KVCacheSpec:
         return cls(len(layers), first.num_kv_heads, first.head_dim)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block over this process's layers in a cache of ``dtype``,
+        an int8 cache's per-token scales included."""
         element_bytes = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_bytes
+        per_token_head = self.head_dim * element_bytes
+        if dtype == torch.int8:
+            per_token_head += SCALE_DTYPE.itemsize
+        return 2 * self.num_layers * block_size * self.num_kv_heads * per_token_head
 
 
 def _budget_bytes(device: torch.device, utilization: float) -> tuple[int, int, int]:
@@ -205,19 +224,64 @@ def allocate_kv_caches(
     scheduler_config: SchedulerConfig,
     device: torch.device,
     dtype: torch.dtype,
+    model_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
-    """Per-layer KV tensors of ``num_blocks`` usable blocks (plus the null block)."""
+    """Per-layer KV tensors of ``dtype`` (the cache's) with ``num_blocks`` usable
+    blocks (plus the null block); a quantised cache's log line compares its
+    capacity with ``model_dtype``'s."""
     shape = (2, num_blocks + 1, cache_config.block_size, spec.num_kv_heads, spec.head_dim)
     caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
     block_bytes = spec.bytes_per_block(cache_config.block_size, dtype)
     max_tokens = num_blocks * cache_config.block_size
+    gain = ""
+    if model_dtype is not None and model_dtype != dtype:
+        ratio = spec.bytes_per_block(1, model_dtype) / spec.bytes_per_block(1, dtype)
+        gain = f", {ratio:.2f}x the tokens of {_describe(model_dtype)} in the same memory"
     logger.info(
-        "KV cache: %d blocks of %d tokens, %.2f GB, %d tokens at most "
-        "(%.1f requests of max_model_len=%d at once)",
-        num_blocks, cache_config.block_size, num_blocks * block_bytes / 1e9, max_tokens,
-        max_tokens / scheduler_config.max_model_len, scheduler_config.max_model_len,
+        "KV cache: %d blocks of %d tokens in %s, %.2f GB, %d tokens at most "
+        "(%.1f requests of max_model_len=%d at once%s)",
+        num_blocks, cache_config.block_size, _describe(dtype), num_blocks * block_bytes / 1e9,
+        max_tokens, max_tokens / scheduler_config.max_model_len, scheduler_config.max_model_len,
+        gain,
     )
     return caches
+
+
+def _describe(dtype: torch.dtype) -> str:
+    return {torch.int8: "int8 (a float32 scale per token and KV head)",
+            torch.float8_e4m3fn: "fp8_e4m3 (a float32 scale per layer and KV head)"}.get(
+                dtype, str(dtype).removeprefix("torch."))
+
+
+def allocate_kv_scales(
+    spec: KVCacheSpec, model: nn.Module, dtype: torch.dtype, num_blocks: int, block_size: int,
+    device: torch.device,
+) -> list[torch.Tensor] | None:
+    """Per-layer scales of a cache of ``dtype`` with ``num_blocks`` blocks (the
+    null block included), or None for a 16- or 32-bit cache. fp8: each
+    attention layer's ``checkpoint_kv_scales`` ([2, num_kv_heads], from the
+    loader), or 1.0 where it has none; int8: zeros, written with the values."""
+    if dtype == torch.int8:
+        shape = (2, num_blocks, block_size, spec.num_kv_heads)
+        return [torch.zeros(shape, dtype=SCALE_DTYPE, device=device)
+                for _ in range(spec.num_layers)]
+    if dtype == torch.float8_e4m3fn:
+        ones = torch.ones((2, spec.num_kv_heads), dtype=SCALE_DTYPE)
+        return [(ones if layer.checkpoint_kv_scales is None else layer.checkpoint_kv_scales)
+                .to(device=device, dtype=SCALE_DTYPE) for layer in get_attention_layers(model)]
+    return None
+
+
+def log_kv_scales(model: nn.Module, dtype: torch.dtype) -> None:
+    """Say where an fp8 cache's scales come from, or that a checkpoint's go unused."""
+    has_scales = any(layer.checkpoint_kv_scales is not None
+                     for layer in get_attention_layers(model))
+    if dtype == torch.float8_e4m3fn:
+        logger.info("fp8 KV cache scales: %s", "the checkpoint's k/v scales"
+                    if has_scales else "1.0 (the checkpoint has none)")
+    elif has_scales:
+        logger.info("the checkpoint's k/v scales are unused: they serve kv_cache_dtype="
+                    "'fp8_e4m3', not a %s cache", _describe(dtype))
 
 
 def allocate_scratch_kv_caches(

@@ -82,10 +82,13 @@ from kvserve.worker.input_batch import PersistentBatch, StepBuffers
 from kvserve.worker.kv_cache import (
     KVCacheSpec,
     allocate_kv_caches,
+    allocate_kv_scales,
     allocate_scratch_kv_caches,
     check_num_blocks,
     check_weights_fit,
     determine_num_blocks,
+    kv_cache_dtype,
+    log_kv_scales,
 )
 from kvserve.worker.spec_decode import SpecDecodeRunner
 from kvserve.worker.structured_output import GrammarMatchers
@@ -226,6 +229,9 @@ class ModelRunner:
         # structured-output requests' grammar state (worker/structured_output.py)
         self.matchers = GrammarMatchers(model_config.vocab_size)
         self.kv_caches: list[torch.Tensor] = []
+        # an fp8 or int8 cache's per-layer scales (kernels/kv_quant.py), else None
+        self.kv_scales: list[torch.Tensor] | None = None
+        self.kv_cache_dtype = kv_cache_dtype(cache_config, dtype)
         self.num_kv_blocks = 0
         self.reserved_bytes = 0  # kept out of the KV pool for the largest step (profiled)
         self.kv_spec = KVCacheSpec.of(model)
@@ -308,21 +314,26 @@ class ModelRunner:
     def initialize_kv_cache(self) -> None:
         """Size the pool from what is left after a profiled step (parallel ranks
         agree on the smallest pool; a speculative proposer's KV shares the
-        blocks), allocate it and bind it to the layers."""
+        blocks), allocate it (quantised with its scales when kv_cache_dtype
+        asks) and bind it to the layers."""
         if self.device.type == "cuda":
             self.reserved_bytes = self.profile_peak_step_bytes()
         spec, cache, sched = self.kv_spec, self.cache_config, self.scheduler_config
+        kv_dtype = self.kv_cache_dtype
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        num_blocks = determine_num_blocks(spec, cache, sched, self.device, self.dtype,
+        num_blocks = determine_num_blocks(spec, cache, sched, self.device, kv_dtype,
                                           self.reserved_bytes, weights,
                                           self.spec.kv_bytes_per_block() if self.spec else 0)
         num_blocks = self.parallel.min_over_ranks(num_blocks)
         if cache.num_kv_blocks is None:  # a given count is the user's (the scheduler checks it)
-            check_num_blocks(num_blocks, spec, cache, sched, self.dtype)
+            check_num_blocks(num_blocks, spec, cache, sched, kv_dtype)
         self.kv_caches = allocate_kv_caches(spec, num_blocks, cache, sched, self.device,
-                                            self.dtype)
+                                            kv_dtype, model_dtype=self.dtype)
         self.num_kv_blocks = num_blocks
-        bind_kv_cache(self.model, self.kv_caches, self.backend)
+        self.kv_scales = allocate_kv_scales(spec, self.model, kv_dtype, num_blocks + 1,
+                                            self.block_size, self.device)
+        log_kv_scales(self.model, kv_dtype)
+        bind_kv_cache(self.model, self.kv_caches, self.backend, self.kv_scales)
         if self.spec is not None:
             self.spec.bind_kv_cache(self.num_kv_blocks + 1)
 
@@ -377,8 +388,9 @@ class ModelRunner:
         query_lens = largest_step_query_lens(sched)
         num_tokens, num_reqs = sum(query_lens), len(query_lens)
         scratch = allocate_scratch_kv_caches(self.kv_spec, self.cache_config, self.device,
-                                             self.dtype)
-        bind_kv_cache(self.model, scratch, self.backend)
+                                             self.kv_cache_dtype)
+        bind_kv_cache(self.model, scratch, self.backend, allocate_kv_scales(
+            self.kv_spec, self.model, self.kv_cache_dtype, 2, self.block_size, self.device))
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(self.device)

@@ -5,7 +5,8 @@ process's greedy tokens on tiny checkpoints of every architecture (odd and
 replicated KV heads, a tied head, a sliding window, q/k/v bias, q/k norm),
 under stress: prefill chunks of a few tokens, a KV pool small enough to
 preempt, prompts sharing a prefix (cache hits), async scheduling on and off
-(on is the default with workers), INT8 and INT4 weights, LoRA adapters, seeded
+(on is the default with workers), INT8 and INT4 weights (FP8 W8A8: near one
+process), an fp8 or int8 KV cache, LoRA adapters, seeded
 sampling. Also: the split is checked before any process starts, a worker's
 ValueError at start-up is the engine's, a worker killed with SIGKILL
 fails the engine (every later call too) and leaves no process behind, and
@@ -18,6 +19,7 @@ torch; later ones start in about a second.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.worker.multiproc_executor import WorkerFailedError
@@ -134,6 +138,51 @@ def test_quantised_weights_split_like_one_process(
     path = tiny_checkpoint("llama")  # o_proj / down_proj inputs: 32 / 64 columns a rank
     one = LLM(model=str(path), device="cpu", block_size=4, quantization=quantization)
     check_split_engine(path, 2, 1, token_ids(one), started, quantization=quantization)
+
+
+def test_fp8_linears_split_near_one_process(
+    tiny_checkpoint: Callable[[str], Path], started: list[LLM]
+) -> None:
+    """A row-parallel linear quantises each rank's slice of the activations
+    with its own per-token scale (as vLLM does), so the split's logits are
+    near one process's, not equal: each first token the split picks is
+    within 0.2 nats of one process's best (this random model's top
+    candidates lie ~0.05 apart; a wrongly sharded weight lands far off)."""
+    path = tiny_checkpoint("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20, ignore_eos=True)
+    one = LLM(model=str(path), device="cpu", block_size=4, quantization="fp8").generate(
+        PROMPTS, params, use_tqdm=False)
+    llm = parallel_llm(path, 2, 1, **STRESS, quantization="fp8")
+    started.append(llm)
+    for single, split in zip(one, llm.generate(PROMPTS, params, use_tqdm=False), strict=True):
+        assert single.outputs[0].logprobs is not None
+        logprobs = single.outputs[0].logprobs[0]
+        chosen = split.outputs[0].token_ids[0]
+        assert chosen in logprobs
+        assert logprobs[chosen].logprob > max(v.logprob for v in logprobs.values()) - 0.2
+    assert len(token_ids(llm)[0]) == GREEDY.max_tokens  # decoding under stress runs
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_quantised_kv_cache_splits_like_one_process(
+    kv_cache_dtype: str, tiny_checkpoint: Callable[[str], Path], tmp_path: Path,
+    started: list[LLM],
+) -> None:
+    """Each rank quantises its own KV heads into its own pool; an fp8 cache
+    takes its heads' share of the checkpoint's per-head scales."""
+    path = tiny_checkpoint("llama")  # 2 KV heads: one a rank
+    if kv_cache_dtype == "fp8_e4m3":
+        target = tmp_path / "scaled"
+        shutil.copytree(path, target)
+        tensors = load_file(str(path / "model.safetensors"))
+        for layer in range(2):
+            # far apart, so a rank given the other head's scales would change the tokens
+            tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor([1.0, 0.002])
+            tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([0.002, 1.0])
+        save_file(tensors, str(target / "model.safetensors"))
+        path = target
+    one = LLM(model=str(path), device="cpu", block_size=4, kv_cache_dtype=kv_cache_dtype)
+    check_split_engine(path, 2, 1, token_ids(one), started, kv_cache_dtype=kv_cache_dtype)
 
 
 def test_lora_adapters_split_like_one_process(

@@ -195,7 +195,8 @@ BAD_CONFIGS: list[tuple[dict[str, Any], str]] = [
     (awq(zero_point=False), "quantization_config.zero_point=False"),
     (awq(modules_to_not_convert="lm_head"), "quantization_config.modules_to_not_convert"),
     (ct(format="naive-quantized"), "quantization_config.format='naive-quantized'.*pack-quantized"),
-    (ct(format="float-quantized"), "quantization_config.format='float-quantized'"),
+    # an FP8 format over int weights
+    (ct(format="float-quantized"), r"group_0\.weights\.type='int' is not supported.*float"),
     (ct(config_groups={}), "quantization_config.config_groups"),
     (ct(kv_cache_scheme={"num_bits": 8}), "quantization_config.kv_cache_scheme"),
     (ct(transform_config={"config_groups": {"u": {}}}), "quantization_config.transform_config"),
@@ -223,7 +224,7 @@ def test_activation_quantisation_is_refused() -> None:
     w8a8["config_groups"]["group_0"]["input_activations"] = {
         "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
     with pytest.raises(ValueError, match=re.escape(
-            "config_groups.group_0.input_activations=") + ".*W8A8 / FP8 activation "
+            "config_groups.group_0.input_activations=") + ".*INT8 W8A8 activation "
             "quantisation is not supported yet"):
         parse_quantization_config(hf(w8a8))
 
@@ -282,9 +283,9 @@ def test_resolve_errors_name_both_sides() -> None:
     with pytest.raises(ValueError, match=r"quantization='gptq', but cfg.json has no "
                                          r"quantization_config"):
         resolve_quantization({}, "gptq", "cfg.json")
-    with pytest.raises(ValueError, match="quantization='fp8' is not supported; allowed: gptq, "
+    with pytest.raises(ValueError, match="quantization='fp4' is not supported; allowed: gptq, "
                                          "awq, compressed-tensors, int8, int4"):
-        resolve_quantization({}, "fp8", "cfg.json")
+        resolve_quantization({}, "fp4", "cfg.json")
     with pytest.raises(ValueError, match=r"^cfg.json: quantization_config.bits=3"):
         resolve_quantization(hf(gptq(bits=3)), None, "cfg.json")
     with pytest.raises(ValueError, match="quantize_lm_head=True needs a 16-bit checkpoint"):
@@ -293,7 +294,7 @@ def test_resolve_errors_name_both_sides() -> None:
 
 def test_choices_constant_and_no_torch_import() -> None:
     assert QUANTIZATION_CHOICES == ("gptq", "awq", "compressed-tensors", "int8", "int4",
-                                    "int4-g32", "int4-g64", "int4-g128")
+                                    "int4-g32", "int4-g64", "int4-g128", "fp8")
     code = ("import sys, kvserve.quant.formats; "
             "assert 'torch' not in sys.modules, 'quant.formats imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)

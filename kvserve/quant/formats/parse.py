@@ -8,7 +8,13 @@ Reads the JSON its producer wrote, as plain data (no torch, no files except
 - AWQ (AutoAWQ, transformers' ``AwqConfig``): ``quant_method: awq``,
   ``version: gemm`` only;
 - compressed-tensors (llm-compressor): ``quant_method: compressed-tensors``,
-  ``format: pack-quantized``, weight-only int4 / int8 schemes.
+  ``format: pack-quantized``, weight-only int4 / int8 schemes; ``format:
+  float-quantized``, FP8 W8A8 (``FP8_DYNAMIC``, ``FP8``);
+- HF's FP8 (``quant_method: fp8``, per-tensor or per-channel ``weight_scale``;
+  not block-wise).
+
+FP8 activations are quantised per token as the model runs whatever the
+checkpoint says (a static ``input_scale`` is read and dropped).
 
 Every value kvserve cannot serve is a ``ValueError`` naming the field as
 ``quantization_config.<path>``, its value and what is allowed. Which linears
@@ -27,13 +33,14 @@ from typing import Any
 from kvserve.quant.config import GROUP_SIZES, QUANTIZE_AT_LOAD, QuantConfig, quantize_at_load
 
 CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")
-# every value of --quantization / LLM(quantization=)
+# every value of --quantization / LLM(quantization=); "fp8" also names HF's fp8 checkpoints
 QUANTIZATION_CHOICES = CHECKPOINT_METHODS + tuple(QUANTIZE_AT_LOAD)
+_QUANT_METHODS = (*CHECKPOINT_METHODS, "fp8")
 
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 AWQ_VERSIONS = ("gemm",)
 AWQ_GROUP_SIZES = (32, 64, 128)
-CT_FORMATS = ("pack-quantized",)
+CT_FORMATS = ("pack-quantized", "float-quantized")
 _FIELD = "quantization_config"
 
 
@@ -65,8 +72,8 @@ def _flag(qc: dict[str, Any], field: str, default: bool) -> bool:
 
 def _method_of(qc: dict[str, Any]) -> str:
     method = qc.get("quant_method")
-    if not isinstance(method, str) or method.lower() not in CHECKPOINT_METHODS:
-        raise _bad("quant_method", method, ", ".join(CHECKPOINT_METHODS))
+    if not isinstance(method, str) or method.lower() not in _QUANT_METHODS:
+        raise _bad("quant_method", method, ", ".join(_QUANT_METHODS))
     return method.lower()
 
 
@@ -109,6 +116,8 @@ def parse_quantization_config(
         return parse_gptq(qc)
     if method == "awq":
         return parse_awq(qc)
+    if method == "fp8":
+        return parse_hf_fp8(qc)
     return parse_compressed_tensors(qc)
 
 
@@ -134,6 +143,8 @@ def resolve_quantization(
         checkpoint = parse_quantization_config(hf_config, quantize_config)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from e
+    if requested == "fp8" and checkpoint is not None and checkpoint.weight_type == "fp8":
+        return checkpoint  # an FP8 checkpoint served as it is
     if requested is None or requested in CHECKPOINT_METHODS:
         if requested is not None and checkpoint is None:
             raise ValueError(
@@ -264,9 +275,12 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     if not isinstance(groups, dict) or not groups:
         raise _bad("config_groups", groups, "an object of one or more quantisation schemes")
     top_format = qc.get("format")
-    for field in ("kv_cache_scheme",):
-        if qc.get(field) is not None:
-            raise _bad(field, qc[field], "null (KV cache quantisation is not supported yet)")
+    kv_scheme = qc.get("kv_cache_scheme")
+    if kv_scheme is not None and (not isinstance(kv_scheme, dict) or (
+            kv_scheme.get("type"), kv_scheme.get("num_bits")) != ("float", 8)):
+        raise _bad("kv_cache_scheme", kv_scheme,
+                   "null or an 8-bit float scheme (its k_scale / v_scale serve "
+                   "--kv-cache-dtype fp8_e4m3)")
     for field in ("sparsity_config", "transform_config"):
         if qc.get(field):
             raise _bad(field, qc[field], "null or {} (sparse or rotated weights are not supported)")
@@ -279,7 +293,9 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
         if group_format not in CT_FORMATS:
             field = f"config_groups.{name}.format" if scheme.get("format") else "format"
             raise _bad(field, group_format, ", ".join(CT_FORMATS))
-        schemes.append((name, _ct_scheme(scheme, f"config_groups.{name}")))
+        path = f"config_groups.{name}"
+        schemes.append((name, _ct_fp8_scheme(scheme, path) if group_format == "float-quantized"
+                        else _ct_scheme(scheme, path)))
         scheme_targets = scheme.get("targets")
         if not isinstance(scheme_targets, list) or not scheme_targets:
             raise _bad(f"config_groups.{name}.targets", scheme_targets, "a list of targets")
@@ -296,7 +312,53 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     patterns = [_ct_pattern(i) for i in ignore] + _ct_targets_ignore(targets)
     return QuantConfig(bits=first.bits, group_size=first.group_size, symmetric=first.symmetric,
                        checkpoint_format="compressed-tensors", act_order=first.act_order,
-                       ignore=tuple(patterns))
+                       ignore=tuple(patterns), weight_type=first.weight_type)
+
+
+def _ct_fp8_scheme(scheme: dict[str, Any], path: str) -> QuantConfig:
+    """A ``float-quantized`` entry: e4m3 weights per channel or per tensor,
+    e4m3 activations per token (dynamic) or per tensor (static)."""
+    weights = scheme.get("weights")
+    if not isinstance(weights, dict):
+        raise _bad(f"{path}.weights", weights, "a weight quantisation object")
+    w = f"{path}.weights"
+    _choice(weights, "type", ("float",), None, w)
+    _choice(weights, "num_bits", (8,), None, w)
+    _choice(weights, "strategy", ("channel", "tensor"), None, w)
+    if weights.get("symmetric", True) is not True:
+        raise _bad(f"{w}.symmetric", weights.get("symmetric"), "true")
+    if weights.get("block_structure") is not None:
+        raise _bad(f"{w}.block_structure", weights.get("block_structure"), "null")
+    acts = scheme.get("input_activations")
+    if acts is not None:
+        a = f"{path}.input_activations"
+        if not isinstance(acts, dict):
+            raise _bad(a, acts, "null or an activation quantisation object")
+        _choice(acts, "type", ("float",), None, a)
+        _choice(acts, "num_bits", (8,), None, a)
+        _choice(acts, "strategy", ("token", "tensor"), None, a)
+    if scheme.get("output_activations") is not None:
+        raise _bad(f"{path}.output_activations", scheme["output_activations"], "null")
+    return QuantConfig(bits=8, group_size=-1, checkpoint_format="compressed-tensors",
+                       weight_type="fp8")
+
+
+# --- HF fp8 -----------------------------------------------------------------
+
+
+def parse_hf_fp8(qc: dict[str, Any]) -> QuantConfig:
+    """transformers' ``FP8`` config: e4m3 ``weight`` with its ``weight_scale``
+    (one per tensor or per output channel), ``activation_scheme`` dynamic or
+    static, ``modules_to_not_convert``; block-wise scales are refused."""
+    _choice(qc, "activation_scheme", ("dynamic", "static"), "dynamic")
+    if qc.get("weight_block_size") is not None:
+        raise _bad("weight_block_size", qc["weight_block_size"],
+                   "null (block-wise FP8 scales are not supported)")
+    skipped = qc.get("modules_to_not_convert") or []
+    if not isinstance(skipped, list) or not all(isinstance(n, str) for n in skipped):
+        raise _bad("modules_to_not_convert", skipped, "null or a list of module names")
+    return QuantConfig(bits=8, group_size=-1, checkpoint_format="fp8", weight_type="fp8",
+                       ignore=("lm_head", *skipped))
 
 
 def _ct_scheme(scheme: dict[str, Any], path: str) -> QuantConfig:
@@ -304,9 +366,9 @@ def _ct_scheme(scheme: dict[str, Any], path: str) -> QuantConfig:
     for field in ("input_activations", "output_activations"):
         if scheme.get(field) is not None:
             raise ValueError(
-                f"{_FIELD}.{path}.{field}={scheme[field]!r} is not supported: W8A8 / FP8 "
+                f"{_FIELD}.{path}.{field}={scheme[field]!r} is not supported: INT8 W8A8 "
                 "activation quantisation is not supported yet (allowed: null, weight-only "
-                "W4A16 / W8A16)")
+                "W4A16 / W8A16; FP8 W8A8 comes as format float-quantized)")
     weights = scheme.get("weights")
     if not isinstance(weights, dict):
         raise _bad(f"{path}.weights", weights, "a weight quantisation object")

@@ -10,7 +10,8 @@ only) and ``{module}.perm`` (act-order only); scales and zeros in the
 model's dtype. Every other tensor passes through as it came (norms,
 embeddings, biases, the 16-bit ``weight`` of ignored linears). A config
 without a checkpoint format rounds each quantised linear's 16-bit
-``weight`` to nearest here instead. It knows module names only through
+``weight`` to nearest here instead (FP8: e4m3 values and float32
+per-channel scales, ``quant/fp8.py``). It knows module names only through
 ``is_linear``; it never touches the model.
 """
 
@@ -25,6 +26,7 @@ from kvserve.quant.formats.awq import AWQ
 from kvserve.quant.formats.compressed_tensors import COMPRESSED_TENSORS
 from kvserve.quant.formats.gptq import GPTQ
 from kvserve.quant.formats.tensors import CheckpointFormat, Parts
+from kvserve.quant.fp8 import quantize_weight as quantize_fp8_weight
 from kvserve.quant.packing import QuantizedWeight, quantize_rtn
 
 FORMATS: dict[str, CheckpointFormat] = {
@@ -53,6 +55,9 @@ def quantized_stream(
     twice, and at the end every module left with missing parts."""
     if config.checkpoint_format is None:
         yield from _round_to_nearest(config, weights, is_linear, dtype, device)
+        return
+    if config.weight_type == "fp8":
+        yield from _fp8_checkpoint(config, weights, is_linear, device)
         return
     fmt = FORMATS[config.checkpoint_format]
     needed = set(fmt.required(config))
@@ -120,6 +125,68 @@ def _round_to_nearest(
             continue
         if device is not None:
             tensor = tensor.to(device)
+        if config.weight_type == "fp8":  # e4m3 values and float32 per-channel scales
+            qweight, scales = quantize_fp8_weight(tensor)
+            yield f"{module}.qweight", qweight
+            yield f"{module}.scales", scales
+            continue
         qw = quantize_rtn(tensor, config.bits, config.group_size, config.symmetric,
                           scale_dtype=dtype)
         yield from packed_tensors(module, qw, config, dtype)
+
+
+FP8_PARTS = ("weight", "weight_scale")
+
+
+def _fp8_checkpoint(
+    config: QuantConfig, weights: Weights, is_linear: Callable[[str], bool],
+    device: torch.device | str | None,
+) -> Weights:
+    """An FP8 checkpoint's linears (compressed-tensors ``float-quantized``, HF
+    fp8): the e4m3 ``weight`` as ``qweight`` and its ``weight_scale`` (one per
+    tensor or per output channel) as float32 ``scales [N, 1]``; a static
+    ``input_scale`` is checked and dropped (activations are quantised per
+    token as the model runs)."""
+    pending: dict[str, Parts] = {}
+    for name, tensor in weights:
+        module, _, part = name.rpartition(".")
+        if not module or not is_linear(module) or not config.quantizes(module):
+            yield name, tensor
+            continue
+        if part == "input_scale":
+            if not bool(torch.isfinite(tensor.float()).all()):
+                raise ValueError(f"checkpoint tensor '{name}': a non-finite input scale")
+            continue
+        if part not in FP8_PARTS:
+            yield name, tensor  # a bias
+            continue
+        if part == "weight" and tensor.dtype != torch.float8_e4m3fn:
+            raise ValueError(
+                f"checkpoint tensor '{name}' is {tensor.dtype}, but the quantization_config "
+                f"({config.checkpoint_format}, fp8) quantises '{module}': expected "
+                "float8_e4m3fn (is the module missing from the ignore list?)")
+        parts = pending.setdefault(module, {})
+        if part in parts:
+            raise ValueError(f"checkpoint tensor '{name}' appears twice")
+        parts[part] = tensor if device is None else tensor.to(device)
+        if len(parts) == len(FP8_PARTS):
+            yield from _fp8_tensors(module, pending.pop(module))
+    if pending:
+        missing = [f"{module} (missing {', '.join(sorted(set(FP8_PARTS) - set(parts)))})"
+                   for module, parts in pending.items()]
+        raise ValueError(f"checkpoint lacks parts of {len(missing)} fp8 linear(s): "
+                         f"{'; '.join(missing[:5])}")
+
+
+def _fp8_tensors(module: str, parts: Parts) -> Weights:
+    weight, scale = parts["weight"], parts["weight_scale"].float()
+    n = weight.shape[0]
+    if weight.dim() != 2 or scale.numel() not in (1, n):
+        raise ValueError(f"checkpoint tensor '{module}.weight_scale': shape "
+                         f"{tuple(scale.shape)}; expected one value or one per output channel "
+                         f"({n}) of '{module}.weight' {tuple(weight.shape)}")
+    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        raise ValueError(f"checkpoint tensor '{module}.weight_scale': scales must be finite "
+                         "and >= 0")
+    yield f"{module}.qweight", weight
+    yield f"{module}.scales", scale.reshape(-1, 1).expand(n, 1).contiguous()
