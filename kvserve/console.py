@@ -161,7 +161,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """``kvserve generate``: 0, or 130 when Ctrl-C stopped the completion."""
     params = sampling_params(args)
     engine = make_engine(args)
-    _, token_ids = engine.tokenize_prompt(args.prompt)
+    _, token_ids = engine.processor.tokenize(args.prompt)
     request_id = engine.add_request(token_ids, params)  # validated before anything is shown
     columns, rows = shutil.get_terminal_size()
     sys.stdout.write(prompt_echo(args.prompt, columns, rows))
@@ -178,7 +178,7 @@ def _chat_request(engine: LLMEngine, messages: list[dict[str, str]],
                   params: SamplingParams) -> str:
     """Queue the conversation's next reply; ``max_tokens`` is cut to the room
     left in ``max_model_len`` (ValueError when there is none)."""
-    token_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    token_ids = engine.processor.apply_chat_template(messages, add_generation_prompt=True)
     room = engine.max_model_len - len(token_ids)
     if room < 1:
         raise ValueError(

@@ -67,7 +67,7 @@ METRIC_NAMES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (e
 
 @dataclass
 class SampleRequest:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (--dataset-name w2 / w3)
     prompt_len: int  # estimated; the server's usage count replaces it
     output_len: int
 
@@ -101,9 +101,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--api-key", default=None, help="default $OPENAI_API_KEY")
     target.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     data = parser.add_argument_group("workload")
-    data.add_argument("--dataset-name", default="random", choices=("random", "sharegpt"),
+    data.add_argument("--dataset-name", default="random",
+                      choices=("random", "sharegpt", "w2", "w3"),
                       help="random: prompts of random common words; sharegpt: conversations "
-                           "from --dataset-path")
+                           "from --dataset-path; w2 / w3: the first --num-prompts requests of "
+                           "`kvserve bench throughput`'s workloads, as token-id prompts "
+                           "(completions only)")
+    data.add_argument("--workload-vocab-size", type=int, default=32000,
+                      help="w2 / w3: prompt token ids are drawn below this; it must not exceed "
+                           "the served model's vocabulary (default: %(default)s)")
     data.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
     data.add_argument("--num-prompts", type=int, default=1000,
                       help="requests to send (default: %(default)s)")
@@ -194,6 +200,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--burstiness={args.burstiness} is invalid: must be > 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency={args.max_concurrency} is invalid: must be >= 1")
+    if args.dataset_name in ("w2", "w3") and args.backend != "openai":
+        raise ValueError(f"--dataset-name {args.dataset_name} sends token-id prompts: it needs "
+                         "--backend openai (completions)")
     if args.dataset_name == "sharegpt" and not args.dataset_path:
         raise ValueError("--dataset-name sharegpt needs --dataset-path")
     if args.dataset_path and not Path(args.dataset_path).is_file():
@@ -218,6 +227,15 @@ def random_requests(args: argparse.Namespace, tokens_per_word: float) -> list[Sa
         prompt = " ".join(rng.choice(WORDS) for _ in range(num_words))
         requests.append(SampleRequest(prompt, input_len, output_len))
     return requests
+
+
+def workload_requests(args: argparse.Namespace) -> list[SampleRequest]:
+    """The first ``--num-prompts`` requests of workload W2 or W3 (token ids)."""
+    from kvserve.bench.workloads import w2, w3
+
+    make = w2 if args.dataset_name == "w2" else w3
+    return [SampleRequest(r.prompt_token_ids, len(r.prompt_token_ids), r.output_len)
+            for r in make(args.workload_vocab_size, num_requests=args.num_prompts)]
 
 
 def sharegpt_requests(args: argparse.Namespace) -> list[SampleRequest]:
@@ -676,7 +694,8 @@ async def _benchmark(args: argparse.Namespace, rates: list[float]) -> Outcome:
 
     target = Target(args)
     # the dataset file is read (and checked) before the server is contacted
-    dataset = sharegpt_requests(args) if args.dataset_name == "sharegpt" else None
+    dataset = (sharegpt_requests(args) if args.dataset_name == "sharegpt" else
+               workload_requests(args) if args.dataset_name in ("w2", "w3") else None)
     outcome = Outcome()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:

@@ -123,6 +123,9 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # when the request was first scheduled (time.monotonic, one clock for
+    # every process of the host): set on its first output
+    first_scheduled_s: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -431,6 +431,8 @@ class Scheduler:
                 new_logprobs=logprobs.get(request_id) if logprobs else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
+            if request.num_output_tokens == len(new_tokens):  # its first output
+                output.first_scheduled_s = request.times.first_scheduled_s
             if prompt_logprobs_ready and request_id in prompt_logprobs_ready:
                 prompt_logprobs_ready.discard(request_id)
                 output.prompt_logprobs = request.prompt_logprobs

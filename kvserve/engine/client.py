@@ -1,15 +1,20 @@
 """``EngineClient``: how asynchronous callers (the HTTP server, a chat loop)
-drive the engine. ``ThreadedEngineClient`` runs the ``LLMEngine`` loop in a
-background thread and streams each request's outputs into an asyncio queue;
-an engine in its own process will implement the same interface.
+drive the engine. ``ThreadedEngineClient`` runs the ``LLMEngine`` front end
+(detokenizing, stop strings) in a background thread and streams each
+request's outputs into an asyncio queue; the engine core it drives runs in
+that thread or in its own process (``core_proc``), behind the same
+interface.
 
-Validation happens in the caller, before anything is queued, so a bad
-request fails at once with a ValueError and never reaches the loop. A step
-that raises kills the loop: every in-flight request gets an
+Requests arrive processed (``client.processor.process``: the one place a
+prompt is tokenized and validated), so a bad request fails at once with a
+ValueError and never reaches the loop; one the core refuses later (a core
+process) fails alone with that ValueError. A step that raises, or a core
+process that dies, kills the loop: every in-flight request gets an
 ``EngineDeadError`` and ``health()`` reports it. With ``watchdog_s`` set, a
 watchdog thread does the same when one step runs longer than that (a hung
 forward): the stuck thread cannot be stopped, but every caller is released
-with an error and ``health()`` says the engine is dead.
+with an error and ``health()`` says the engine is dead (a core process
+watches its own steps and exits, which the loop sees).
 """
 
 from __future__ import annotations
@@ -19,21 +24,20 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvserve.core.sampling_params import SamplingParams
-from kvserve.engine.llm_engine import LLMEngine, Prompt
+from kvserve.config import EngineConfig
+from kvserve.engine.core_client import EngineDeadError
+from kvserve.engine.input_processor import EngineRequest, InputProcessor
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
-from kvserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped after an error; no request can proceed."""
+__all__ = ["EngineClient", "EngineDeadError", "EngineHealth", "ThreadedEngineClient"]
 
 
 class EngineHungError(RuntimeError):
@@ -52,10 +56,10 @@ class EngineHealth:
 class EngineClient(Protocol):
     """The engine as an asynchronous service."""
 
-    def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-        priority: int = 0, lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
+    config: EngineConfig
+    processor: InputProcessor  # builds the requests ``generate`` takes
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -64,6 +68,8 @@ class EngineClient(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
     def shutdown(self) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 _Sink = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
@@ -79,6 +85,8 @@ class ThreadedEngineClient:
         """``watchdog_s``: declare the engine dead when one step takes longer
         (None: never); ``log_requests``: log each request as it is accepted."""
         self.engine = engine
+        self.config = engine.config
+        self.processor = engine.processor
         self.log_requests = log_requests
         self.idle_wait_s = idle_wait_s
         self.watchdog_s = watchdog_s
@@ -95,21 +103,16 @@ class ThreadedEngineClient:
 
     # ------------------------------------------------------------ caller side
 
-    async def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-        priority: int = 0, lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs until it finishes; aborts it if the
-        consumer stops early (client disconnect, cancellation)."""
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Stream a processed request's outputs until it finishes; aborts it if
+        the consumer stops early (client disconnect, cancellation)."""
         self._raise_if_dead()
-        request_id = request_id or uuid.uuid4().hex
-        _, token_ids = self.engine.tokenize_prompt(prompt)
-        self.engine.resolve_params(len(token_ids), params)
-        if lora_request is not None:
-            self.engine.add_lora(lora_request)
+        request_id = request.request_id
         if self.log_requests:
-            logger.info("request %s: %d prompt tokens, %s%s", request_id, len(token_ids), params,
-                        f", adapter {lora_request.lora_name}" if lora_request else "")
+            logger.info("request %s: %d prompt tokens, %s%s", request_id,
+                        len(request.prompt_token_ids), request.params,
+                        f", adapter {request.lora_request.lora_name}"
+                        if request.lora_request else "")
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._sinks[request_id] = (loop, sink)
@@ -118,7 +121,7 @@ class ThreadedEngineClient:
             # checked again now that the sink is registered: a loop that dies
             # from here on delivers the error to it
             self._raise_if_dead()
-            self._commands.put(("add", (prompt, params, request_id, priority, lora_request)))
+            self._put(("add", request))
             while True:
                 item = await sink.get()
                 if isinstance(item, BaseException):
@@ -130,10 +133,14 @@ class ThreadedEngineClient:
         finally:
             self._sinks.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._put(("abort", request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._put(("abort", request_id))
+
+    def _put(self, command: tuple[str, Any]) -> None:
+        self._commands.put(command)
+        self.engine.core.wake()  # a core process's step may be waiting for outputs
 
     def health(self) -> EngineHealth:
         return EngineHealth(
@@ -147,9 +154,15 @@ class ThreadedEngineClient:
         return self.engine.stats()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the loop, then the core (its process, its workers)."""
         self._stop.set()
-        self._commands.put(("wake", None))
+        self._put(("wake", None))
         self._thread.join(timeout_s)
+        self.engine.core.shutdown(kill=self._thread.is_alive())
+
+    def kill(self) -> None:
+        """End the core now (its process and workers), without waiting for the loop."""
+        self.engine.core.shutdown(kill=True)
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:
@@ -167,7 +180,12 @@ class ThreadedEngineClient:
                         return
                     for output in outputs:
                         self._deliver(output.request_id, output)
-                self._last_progress_s = time.monotonic()
+                    for request_id, error in self.engine.take_rejections():
+                        self._deliver(request_id, error)
+                else:
+                    self.engine.core.check_alive()
+                # a core process's step may hang while this loop keeps turning
+                self._last_progress_s = self.engine.core.last_progress_s()
         except BaseException as exc:
             logger.exception("engine loop died")
             self._fail(exc)
@@ -207,11 +225,11 @@ class ThreadedEngineClient:
 
     def _run_command(self, kind: str, payload: Any) -> None:
         if kind == "add":
-            prompt, params, request_id, priority, lora_request = payload
+            request_id = payload.request_id
             if request_id not in self._sinks:
                 return  # the caller left before the request was queued
             try:
-                self.engine.add_request(prompt, params, request_id, priority, lora_request)
+                self.engine.add_engine_request(payload)
             except ValueError as exc:
                 self._deliver(request_id, exc)
         elif kind == "abort":

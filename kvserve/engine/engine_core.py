@@ -1,10 +1,11 @@
 """The engine core: the scheduler plus an executor, stepped in a loop.
 
-It works in token ids only (no text) and is what a separate engine process
-will run later. The executor is anything with ``execute_model``, which
-queues a step and returns something whose ``get()`` waits for its output:
-the in-process ``ModelRunner`` on one device, or with tensor / pipeline
-parallelism the ``MultiprocExecutor``, which broadcasts each step to its
+It works in token ids only (no text); it runs in the front end's process
+(``core_client.InprocCoreClient``) or in its own (``core_proc``). The
+executor is anything with ``execute_model``, which queues a step and
+returns something whose ``get()`` waits for its output: the in-process
+``ModelRunner`` on one device, or with tensor / pipeline parallelism the
+``MultiprocExecutor``, which broadcasts each step to its
 worker processes (``create_executor`` picks; it is the engine's one door
 to the worker layer).
 
@@ -112,7 +113,10 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """End requests now; returns their final outputs (finish_reason "abort")."""
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in finished]
+        # a request that reports only its first and last outputs has unreported tokens
+        return [EngineCoreOutput(r.request_id, [] if r.report_every_step else
+                                 r.all_token_ids[r.num_prompt_tokens + r.num_reported_outputs:],
+                                 finish_reason="abort") for r in finished]
 
     def finish_stopped(self, request_ids: list[str]) -> None:
         """End requests stopped by a stop string found in their text."""

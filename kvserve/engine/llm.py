@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import EngineArgs
-from kvserve.engine.llm_engine import LLMEngine, Prompt
+from kvserve.engine.input_processor import Prompt, RequestOutputKind
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.tokenizer import Tokenizer
 from kvserve.lora.request import LoRARequest
@@ -60,16 +61,15 @@ class LLM:
         params_list = _broadcast(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         loras = _broadcast_loras(lora_request, len(prompt_list))
-        for prompt, params, lora in zip(prompt_list, params_list, loras):
-            _, token_ids = self.engine.tokenize_prompt(prompt)
-            self.engine.resolve_params(len(token_ids), params)
-            if lora is not None:
-                self.engine.add_lora(lora)
-        request_ids = []
-        for prompt, params, prio, lora in zip(prompt_list, params_list, priorities, loras):
-            request_ids.append(self.engine.add_request(prompt, params, priority=prio,
-                                                       lora_request=lora, final_only=True))
-        return self._run(request_ids, use_tqdm)
+        processor = self.engine.processor
+        requests = [
+            processor.process(prompt, params, self.engine.new_request_id(), prio, lora,
+                              RequestOutputKind.FINAL_ONLY)
+            for prompt, params, prio, lora in zip(prompt_list, params_list, priorities, loras)
+        ]
+        for lora in {lora for lora in loras if lora is not None}:
+            self.engine.add_lora(lora)  # every adapter loads before anything is queued
+        return self._run([self.engine.add_engine_request(r) for r in requests], use_tqdm)
 
     def chat(
         self,
@@ -85,7 +85,7 @@ class LLM:
             [messages] if messages and isinstance(messages[0], dict) else messages,
         )
         prompts: list[Prompt] = [
-            self.engine.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+            self.engine.processor.apply_chat_template(conversation, add_generation_prompt)
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)

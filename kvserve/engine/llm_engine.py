@@ -1,16 +1,17 @@
-"""The synchronous engine: text in, text out, one ``step()`` at a time.
+"""The synchronous engine front end: requests in, text out, one ``step()`` at a time.
 
-It turns prompts into token ids, validates them, fans a request with
-``n > 1`` out into ``n`` core requests, steps the ``EngineCore``, and turns
-token ids back into text with one incremental detokenizer per sample,
-ending a sample early when a stop string appears. A request may name a LoRA
-adapter (``LoRARequest``), loaded by the executor the first time it is seen.
-``LLM`` (offline) and the ``EngineClient`` (server) are both built on it.
+Requests come in through the ``InputProcessor`` (``add_request`` for a raw
+prompt, ``add_engine_request`` for one already processed); a request with
+``n > 1`` fans out into ``n`` core requests. ``step`` takes the core's
+token ids (from a core in this process, or in its own: see
+``core_client``) and turns them into text with one incremental detokenizer
+per sample, ending a sample early when a stop string appears, then reports
+each changed request as its ``RequestOutputKind`` asks. ``LLM`` (offline)
+and the ``EngineClient`` (server) are both built on it.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,19 +19,34 @@ from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.core.outputs import EngineCoreOutput, Logprobs
-from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import EngineArgs
+from kvserve.engine.core_client import CoreClient, EngineCoreRequest, InprocCoreClient
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_core import EngineCore, Executor, create_executor
+from kvserve.engine.input_processor import (
+    EngineRequest,
+    InputProcessor,
+    Prompt,
+    RequestOutputKind,
+)
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvserve.engine.structured_output import StructuredOutputCompiler
 from kvserve.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+__all__ = ["LLMEngine", "Prompt", "load_engine_tokenizer"]
+
+
+def load_engine_tokenizer(config: EngineConfig) -> Tokenizer:
+    """The configuration's tokenizer (the byte tokenizer without one), chat template set."""
+    tokenizer: Tokenizer = (
+        load_tokenizer(config.tokenizer_path) if config.tokenizer_path else ByteTokenizer()
+    )
+    if config.chat_template is not None:
+        tokenizer.set_chat_template(config.chat_template)
+    return tokenizer
 
 
 @dataclass
@@ -45,7 +61,7 @@ class _Sample:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # final_only with no stop strings to watch: the text is decoded once,
+    # final-only with no stop strings to watch: the text is decoded once,
     # when the sample finishes
     decode_at_end: bool = False
 
@@ -60,9 +76,7 @@ class _Tracked:
     params: SamplingParams
     samples: list[_Sample]
     metrics: RequestMetrics
-    # report only the finished request (offline generate): its text is then
-    # decoded once at the end unless stop strings must be watched each step
-    final_only: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # with prompt_logprobs: None for the first prompt token, then one dict each
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
@@ -70,116 +84,44 @@ class _Tracked:
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
 
+    @property
+    def final_only(self) -> bool:
+        return self.output_kind is RequestOutputKind.FINAL_ONLY
+
 
 class LLMEngine:
-    """Tokenize, schedule, run, detokenize: the engine loop, stepped by its owner."""
+    """Process inputs, drive the core, detokenize: stepped by its owner."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, core: EngineCore) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer,
+                 core: EngineCore | CoreClient) -> None:
         self.config = config
-        self.tokenizer = tokenizer
-        self.core = core
-        self.max_model_len = config.scheduler_config.max_model_len
-        self.eos_token_ids = self._eos_token_ids()
+        self.processor = InputProcessor(config, tokenizer)
+        self.core: CoreClient = InprocCoreClient(core) if isinstance(core, EngineCore) else core
         self._tracked: dict[str, _Tracked] = {}
         self._core_to_sample: dict[str, tuple[_Tracked, _Sample]] = {}
-        self._counter = itertools.count()
+        self._next_id = 0
         self.step_s = 0.0  # wall time spent in step()
-        self._grammar_compiler: StructuredOutputCompiler | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, executor: Executor | None = None) -> LLMEngine:
+        """An engine whose core runs in this process."""
         config = args.create_engine_config()
-        tokenizer: Tokenizer = (
-            load_tokenizer(config.tokenizer_path) if config.tokenizer_path else ByteTokenizer()
-        )
-        if config.chat_template is not None:
-            tokenizer.set_chat_template(config.chat_template)
         core = EngineCore(config, executor or create_executor(config))
-        return cls(config, tokenizer, core)
-
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.config.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
-
-    # ------------------------------------------------------------ input
-
-    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """Token ids of a prompt (text or ids), validated against the model."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
-        token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("prompt: must contain at least 1 token")
-        vocab_size = self.config.model_config.vocab_size
-        # the usual prompt is checked in C (types, then bounds); the loop names a bad id
-        if (set(map(type, token_ids)) == {int}
-                and min(token_ids) >= 0 and max(token_ids) < vocab_size):
-            return None, token_ids
-        for i, token_id in enumerate(token_ids):
-            if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
-                raise ValueError(
-                    f"prompt[{i}]={token_id!r} is invalid: token ids must be integers in "
-                    f"[0, {vocab_size - 1}]"
-                )
-        return None, token_ids
-
-    def resolve_params(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
-        """Fill in ``max_tokens`` when unset and check the request fits the context."""
-        room = self.max_model_len - num_prompt_tokens
-        if room < 1:
-            raise ValueError(
-                f"prompt: {num_prompt_tokens} tokens leave no room in max_model_len="
-                f"{self.max_model_len}; the prompt must be at most {self.max_model_len - 1} "
-                "tokens"
-            )
-        self._check_logprobs(params)
-        vocab_size = self.config.model_config.vocab_size
-        for token_id in params.logit_bias or {}:
-            if token_id >= vocab_size:
-                raise ValueError(f"logit_bias: token id {token_id} is out of range: must be in "
-                                 f"[0, {vocab_size - 1}]")
-        params = params.with_eos_token_ids(self.eos_token_ids)
-        if params.max_tokens is None:
-            params.max_tokens = room
-        elif params.max_tokens > room:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} is invalid: the prompt has {num_prompt_tokens} "
-                f"tokens and max_model_len={self.max_model_len}, so at most {room} tokens can "
-                "be generated"
-            )
-        return params
-
-    def _check_logprobs(self, params: SamplingParams) -> None:
-        """At most ``max_logprobs`` top logprobs (-1: the vocabulary)."""
-        vocab_size = self.config.model_config.vocab_size
-        limit = self.config.max_logprobs
-        limit = vocab_size if limit == -1 else min(limit, vocab_size)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > limit:
-                raise ValueError(
-                    f"{name}={value} is invalid: this engine returns at most {limit} "
-                    "top logprobs per token (max_logprobs, --max-logprobs)"
-                )
+        return cls(config, load_engine_tokenizer(config), core)
 
     @property
-    def grammar_compiler(self) -> StructuredOutputCompiler:
-        """The structured-output compiler (built, and xgrammar imported, on first use)."""
-        if self._grammar_compiler is None:
-            self._grammar_compiler = StructuredOutputCompiler(
-                self.tokenizer, self.config.model_config.vocab_size, self.eos_token_ids)
-        return self._grammar_compiler
+    def tokenizer(self) -> Tokenizer:
+        return self.processor.tokenizer
 
-    def compile_grammar(self, params: SamplingParams) -> SamplingParams:
-        """``params`` with its structured output's grammar compiled and bound
-        (unchanged without one); ValueError when it cannot be compiled."""
-        if params.structured_output is None or params.grammar is not None:
-            return params
-        return params.with_grammar(self.grammar_compiler.compile(params.structured_output))
+    @property
+    def max_model_len(self) -> int:
+        return self.processor.max_model_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.processor.eos_token_ids
+
+    # ------------------------------------------------------------ input
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check an adapter so requests can use it (a no-op once loaded).
@@ -188,13 +130,7 @@ class LLMEngine:
         an unsupported config field, tensors that do not fit the model, or a
         ``lora_int_id`` already used by another adapter.
         """
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request={lora_request!r} is invalid: must be a LoRARequest")
-        if self.config.lora_config is None:
-            raise ValueError(
-                f"lora_request: adapter '{lora_request.lora_name}' was given but LoRA is not "
-                "enabled; create the engine with enable_lora=True (--enable-lora)"
-            )
+        self.processor.check_lora(lora_request)
         self.core.add_lora(lora_request)
 
     def add_request(
@@ -204,32 +140,41 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
-        final_only: bool = False,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> str:
-        """Queue a request, run with ``lora_request``'s adapter if given; raises
-        ValueError (naming the field) if it is invalid. With ``final_only``,
-        ``step`` reports the request once, when it finishes (no per-step
-        outputs or deltas), as vLLM's offline ``generate`` does."""
-        request_id = request_id if request_id is not None else str(next(self._counter))
+        """Process and queue a request (``InputProcessor.process``), run with
+        ``lora_request``'s adapter if given; raises ValueError (naming the
+        field) if it is invalid. ``output_kind`` says what ``step`` reports."""
+        request_id = request_id if request_id is not None else self.new_request_id()
+        request = self.processor.process(prompt, params, request_id, priority, lora_request,
+                                         output_kind)
+        return self.add_engine_request(request)
+
+    def new_request_id(self) -> str:
+        """An id no request of this engine has had."""
+        self._next_id += 1
+        return str(self._next_id - 1)
+
+    def add_engine_request(self, request: EngineRequest) -> str:
+        """Queue a processed request; its id. With an in-process core a
+        rejection raises ValueError here; a core process reports it later
+        (``take_rejections``)."""
+        request_id = request.request_id
         if request_id in self._tracked:
             raise ValueError(f"request_id='{request_id}' is already in use")
-        text, token_ids = self.tokenize_prompt(prompt)
-        params = self.compile_grammar(self.resolve_params(len(token_ids),
-                                                          params or SamplingParams()))
-        lora_int_id = 0
-        if lora_request is not None:
-            self.add_lora(lora_request)
-            lora_int_id = lora_request.lora_int_id
+        params = request.params
+        final_only = request.output_kind is RequestOutputKind.FINAL_ONLY
         samples = []
         core_requests = []
         for index, child in enumerate(params.children()):
             core_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, child)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child)
             decode_at_end = final_only and not detokenizer.stops
             # such a sample needs no per-step outputs unless it collects logprobs
-            core_requests.append(Request(
-                core_id, token_ids, child, self.eos_token_ids, priority, lora_int_id=lora_int_id,
-                report_every_step=not decode_at_end or child.logprobs is not None))
+            core_requests.append(EngineCoreRequest(
+                core_id, request.prompt_token_ids, child, request.priority,
+                request.lora_request, not decode_at_end or child.logprobs is not None,
+                request.arrival_s))
             samples.append(_Sample(index, core_id, detokenizer, decode_at_end=decode_at_end))
         added: list[str] = []
         try:
@@ -239,10 +184,9 @@ class LLMEngine:
         except ValueError:
             self.core.abort_requests(added)
             raise
-        tracked = _Tracked(
-            request_id, text, token_ids, params, samples,
-            RequestMetrics(arrival_s=core_requests[0].arrival_s), final_only,
-        )
+        tracked = _Tracked(request_id, request.prompt, request.prompt_token_ids, params,
+                           samples, RequestMetrics(arrival_s=request.arrival_s),
+                           request.output_kind)
         self._tracked[request_id] = tracked
         for sample in samples:
             self._core_to_sample[sample.core_request_id] = (tracked, sample)
@@ -254,15 +198,27 @@ class LLMEngine:
         if tracked is None:
             return None
         core_ids = [s.core_request_id for s in tracked.samples if s.finish_reason is None]
-        for sample in tracked.samples:
-            request = self.core.get_request(sample.core_request_id)
-            if (sample.finish_reason is None and request is not None
-                    and not request.report_every_step):  # its later tokens were not reported
-                sample.token_ids = request.all_token_ids[request.num_prompt_tokens:]
-        self.core.abort_requests(core_ids)
+        for core_output in self.core.abort_requests(core_ids):
+            # tokens a final-only sample had not been sent yet
+            sample = self._core_to_sample[core_output.request_id][1]
+            sample.token_ids.extend(core_output.new_token_ids)
         for sample in tracked.samples:
             sample.finish_reason = sample.finish_reason or "abort"
         return self._finish_output(tracked)
+
+    def take_rejections(self) -> list[tuple[str, Exception]]:
+        """(user request id, error) of each request the core refused since the
+        last call (a core process reports them from ``step``); they are forgotten."""
+        rejected = []
+        for rejection in self.core.take_rejections():
+            entry = self._core_to_sample.get(rejection.request_id)
+            if entry is None or entry[0].request_id not in self._tracked:
+                continue
+            tracked = entry[0]
+            self.core.abort_requests([s.core_request_id for s in tracked.samples])
+            self._forget(tracked)
+            rejected.append((tracked.request_id, rejection.error()))
+        return rejected
 
     # ------------------------------------------------------------ step
 
@@ -276,7 +232,10 @@ class LLMEngine:
         now = time.monotonic()
         core_to_sample = self._core_to_sample
         for core_output in core_outputs:
-            tracked, sample = core_to_sample[core_output.request_id]
+            entry = core_to_sample.get(core_output.request_id)
+            if entry is None:
+                continue  # aborted while a core process was still reporting it
+            tracked, sample = entry
             metrics = tracked.metrics
             if metrics.first_token_s is None:
                 self._record_first_token(metrics, core_output, now)
@@ -342,9 +301,7 @@ class LLMEngine:
     ) -> None:
         metrics.first_token_s = now
         metrics.num_cached_tokens = core_output.num_cached_tokens
-        request = self.core.get_request(core_output.request_id)
-        if request is not None:
-            metrics.first_scheduled_s = request.times.first_scheduled_s
+        metrics.first_scheduled_s = core_output.first_scheduled_s
 
     def _append_logprobs(self, sample: _Sample, core_output: EngineCoreOutput) -> None:
         if sample.logprobs is None:
@@ -368,16 +325,20 @@ class LLMEngine:
         self, tracked: _Tracked, deltas: dict[int, tuple[str, list[int]]], finished: bool
     ) -> RequestOutput:
         completions = []
+        delta = tracked.output_kind is RequestOutputKind.DELTA
         for sample in tracked.samples:
             delta_text, delta_ids = deltas.get(sample.index, ("", []))
+            logprobs = sample.logprobs
+            if delta and logprobs is not None:
+                logprobs = logprobs[len(logprobs) - len(delta_ids):]
             completions.append(
                 CompletionOutput(
                     index=sample.index,
-                    text=sample.detokenizer.output_text,
-                    token_ids=list(sample.token_ids),
+                    text=delta_text if delta else sample.detokenizer.output_text,
+                    token_ids=list(delta_ids) if delta else list(sample.token_ids),
                     finish_reason=sample.finish_reason,
                     stop_reason=sample.stop_reason,
-                    logprobs=sample.logprobs,
+                    logprobs=logprobs,
                     cumulative_logprob=sample.cumulative_logprob,
                     delta_text=delta_text,
                     delta_token_ids=list(delta_ids),
@@ -433,13 +394,15 @@ class LLMEngine:
         waiting for the host (scheduling, input preparation, output
         processing); ``host_busy_share`` is the share of the steps' wall time
         the host spent on that work rather than waiting for a step's output
-        (``wait_s``) — with async scheduling it overlaps the device's work."""
+        (``wait_s``) — with async scheduling it overlaps the device's work.
+        A core process times its own steps (``step_s`` in its stats)."""
         core = self.core.stats()
-        host_s = max(0.0, self.step_s - core["device_s"])
-        busy_s = max(0.0, self.step_s - core["wait_s"])
+        step_s = core.get("step_s", self.step_s)
+        host_s = max(0.0, step_s - core["device_s"])
+        busy_s = max(0.0, step_s - core["wait_s"])
 
         def share(seconds: float) -> float:
-            return seconds / self.step_s if self.step_s > 0 else 0.0
+            return seconds / step_s if step_s > 0 else 0.0
 
-        return {**core, "step_s": self.step_s, "host_s": host_s, "host_share": share(host_s),
+        return {**core, "step_s": step_s, "host_s": host_s, "host_share": share(host_s),
                 "host_busy_s": busy_s, "host_busy_share": share(busy_s)}

@@ -3,11 +3,12 @@
 One ``GrammarCompiler`` per engine, built on first use from the engine's
 tokenizer and the model's vocabulary size (the logits' width, which may be
 larger than the tokenizer's). Compiling a JSON schema takes milliseconds to
-a second, so the server compiles in a worker thread before queueing the
-request (a bad or unsatisfiable schema is then a 400 naming it) and the
-engine's step loop, which compiles again at ``add_request``, finds it in the
-cache. JSON is generated compact (no free whitespace: a model cannot spend
-its tokens on spaces). xgrammar is imported only here and in
+a second, so it happens in the front end's ``InputProcessor`` (the server
+runs it in a worker thread; a bad or unsatisfiable schema is then a 400
+naming it), never in the core's step loop: a core in its own process gets
+the compiled grammar as xgrammar's JSON (``serialize``) and rebuilds it in
+well under a millisecond (``deserialize``). JSON is generated compact (no
+free whitespace: a model cannot spend its tokens on spaces). xgrammar is imported only here and in
 ``worker/structured_output.py``.
 """
 
@@ -23,6 +24,11 @@ from kvserve.engine.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
 
 # compiled grammars kept (least recently used dropped first)
 MAX_CACHED_GRAMMARS = 256
+
+
+class GrammarError(ValueError):
+    """A structured output xgrammar cannot compile (the server names the
+    field that asked for it)."""
 
 
 class StructuredOutputCompiler:
@@ -45,6 +51,7 @@ class StructuredOutputCompiler:
         else:
             raise ValueError(f"structured output needs a Hugging Face or byte tokenizer, "
                              f"not {type(tokenizer).__name__}")
+        self._info = info
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -61,13 +68,24 @@ class StructuredOutputCompiler:
         try:
             grammar = self._compile(params)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise ValueError(f"{params.kind}: could not compile it: {str(exc)[:300]}") from None
+            raise GrammarError(f"{params.kind}: could not compile it: {str(exc)[:300]}") from None
         with self._lock:
             self.num_compiled += 1
             self._cache[key] = grammar
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         return grammar
+
+    @staticmethod
+    def serialize(grammar: Any) -> str:
+        """A compiled grammar as text, to send to a core process (it does not pickle)."""
+        return str(grammar.serialize_json())
+
+    def deserialize(self, text: str) -> Any:
+        """The compiled grammar ``serialize`` wrote (for this tokenizer and vocabulary)."""
+        import xgrammar
+
+        return xgrammar.CompiledGrammar.deserialize_json(text, self._info)
 
     def _compile(self, params: StructuredOutputParams) -> Any:
         compiler = self._compiler

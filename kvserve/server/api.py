@@ -181,11 +181,11 @@ def build_app(state: ServerState) -> FastAPI:
 def _model_cards(state: ServerState, created: int) -> list[dict[str, Any]]:
     """The served model's names, then its LoRA adapters (``parent``: the model,
     ``root``: the adapter's directory), as vLLM lists them; ``created``: Unix time."""
-    engine = state.engine
-    max_model_len = engine.max_model_len if engine is not None else None
+    client = state.client
+    max_model_len = client.processor.max_model_len if client is not None else None
     base = [{
         "id": name, "object": "model", "created": created, "owned_by": "kvserve",
-        "root": engine.config.model if engine is not None else None, "parent": None,
+        "root": client.config.model if client is not None else None, "parent": None,
         "max_model_len": max_model_len,
     } for name in state.config.served_model_names]
     return base + [{
@@ -203,36 +203,37 @@ def _add_tokenizer_routes(app: FastAPI, state: ServerState, serving: OpenAIServi
         body = TokenizeRequest.parse(await read_body(request, limit))
         body.check()
         serving.check_model(body.model)
-        engine = state.require_engine()
-        tokenizer = engine.tokenizer
+        processor = state.require_engine().processor
+        tokenizer = processor.tokenizer
         try:
             if body.messages is not None:
-                token_ids = tokenizer.apply_chat_template(
+                token_ids = processor.apply_chat_template(
                     [m.to_template() for m in body.messages], body.add_generation_prompt)
             else:
                 assert body.prompt is not None
                 token_ids = tokenizer.encode(body.prompt, body.add_special_tokens)
         except ValueError as exc:
             raise APIError(400, str(exc), "messages" if body.messages else "prompt") from None
-        result: dict[str, Any] = {"count": len(token_ids), "max_model_len": engine.max_model_len,
-                                  "tokens": token_ids}
+        result: dict[str, Any] = {"count": len(token_ids),
+                                  "max_model_len": processor.max_model_len, "tokens": token_ids}
         if body.return_token_strs:
             result["token_strs"] = tokenizer.convert_ids_to_tokens(token_ids)
         return JSONResponse(result)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Response:
-        engine = state.require_engine()
-        return JSONResponse({**engine.tokenizer.info(), "model_max_length": engine.max_model_len})
+        processor = state.require_engine().processor
+        return JSONResponse({**processor.tokenizer.info(),
+                             "model_max_length": processor.max_model_len})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         body = DetokenizeRequest.parse(await read_body(request, limit))
         serving.check_model(body.model)
-        engine = state.require_engine()
-        vocab_size = engine.config.model_config.vocab_size
+        processor = state.require_engine().processor
+        vocab_size = processor.vocab_size
         for i, token_id in enumerate(body.tokens):
             if not 0 <= token_id < vocab_size:
                 raise APIError(400, f"tokens[{i}]={token_id} is invalid: token ids must be in "
                                f"[0, {vocab_size - 1}]", "tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": processor.tokenizer.decode(body.tokens)})

@@ -12,14 +12,17 @@ aborted with ``finish_reason: "abort"``, then the process exits 0. A second
 signal aborts them at once (then exits 0 the same way), a third ends the
 process on the spot. When the engine dies (a forward raised, or one ran
 past ``--engine-watchdog-s``) the process exits 1, without waiting for a
-hung engine thread. ``kvserve serve MODEL`` is ``--model MODEL``. With
-``--data-parallel-size N`` it starts N such servers as children behind a
-``kvserve router`` (``kvserve/router/data_parallel.py``).
+hung engine thread. ``--engine-core process`` (the default on CUDA) runs
+the engine core in its own process (``engine/core_proc.py``); its death
+fails the requests in flight and exits 1 the same way. ``kvserve serve
+MODEL`` is ``--model MODEL``. With ``--data-parallel-size N`` it starts N
+such servers as children behind a ``kvserve router`` (``kvserve/router/data_parallel.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -79,6 +82,11 @@ def add_serve_parser(sub: Any) -> None:
                        help="seconds to drain on SIGTERM before aborting what is left")
     group.add_argument("--engine-watchdog-s", type=float, default=DEFAULT_ENGINE_WATCHDOG_S,
                        help="a step running longer kills the server (exit 1); 0 = off")
+    group.add_argument("--engine-core", choices=("auto", "process", "inproc"), default="auto",
+                       help="where the engine core (scheduler + model) runs: its own process "
+                            "(the HTTP front end then keeps the GIL for tokenizing, "
+                            "detokenizing and streaming) or this one; auto: its own process "
+                            "on CUDA, this one on CPU (default: %(default)s)")
     group.add_argument("--health-stall-s", type=float, default=DEFAULT_HEALTH_STALL_S,
                        help="/health and /ready turn 503 when the engine loop has not "
                             "progressed for this long")
@@ -203,19 +211,33 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
     )
 
+    core_process = (args.engine_core == "process"
+                    or (args.engine_core == "auto" and engine_config.device.startswith("cuda")))
+
     def load() -> Any:
         from kvserve.engine.client import ThreadedEngineClient
-        from kvserve.engine.engine_core import freeze_startup_heap
-        from kvserve.engine.llm_engine import LLMEngine
+        from kvserve.engine.engine_core import EngineCore, create_executor, freeze_startup_heap
+        from kvserve.engine.llm_engine import LLMEngine, load_engine_tokenizer
         from kvserve.server.faults import inject_faults
 
-        engine = LLMEngine.from_engine_args(engine_args)
-        for lora_request in config.lora_requests:
-            engine.add_lora(lora_request)
-        inject_faults(engine.core.executor, faults)
+        if core_process:
+            from kvserve.engine.core_proc import MPCoreClient
+
+            setup = functools.partial(inject_faults, faults=faults) if faults.enabled else None
+            core: Any = MPCoreClient(engine_config, setup, config.lora_requests, watchdog_s)
+            # the core process watches its own steps
+            engine = LLMEngine(engine_config, load_engine_tokenizer(engine_config), core)
+            client = ThreadedEngineClient(engine, log_requests=args.log_requests)
+        else:
+            core = EngineCore(engine_config, create_executor(engine_config))
+            engine = LLMEngine(engine_config, load_engine_tokenizer(engine_config), core)
+            for lora_request in config.lora_requests:
+                engine.add_lora(lora_request)
+            inject_faults(core.executor, faults)
+            client = ThreadedEngineClient(engine, watchdog_s=watchdog_s,
+                                          log_requests=args.log_requests)
         freeze_startup_heap()
-        return engine, ThreadedEngineClient(engine, watchdog_s=watchdog_s,
-                                            log_requests=args.log_requests)
+        return client
 
     logging.getLogger("kvserve").setLevel(
         min(logging.getLogger("kvserve").getEffectiveLevel(), logging.INFO))
@@ -230,10 +252,10 @@ def run_serve(args: argparse.Namespace) -> int:
                 args.port, engine_config.model)
     server.run()
     if state.exit_code:
-        # the engine thread may be stuck in a forward that never returns; worker
-        # processes (tensor / pipeline parallelism) are killed, not waited for
-        if state.engine is not None:
-            state.engine.core.shutdown(kill=True)
+        # the engine thread may be stuck in a forward that never returns; the
+        # core process and worker processes are killed, not waited for
+        if state.client is not None:
+            state.client.kill()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

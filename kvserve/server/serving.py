@@ -4,9 +4,10 @@ One HTTP request goes through these stages, and everything that can be
 known before the first byte is a real HTTP status:
 
 1. parse and check the body (400), the model name (404), availability (503);
-2. tokenize (a character pre-check first, so a huge string is refused
-   before the tokenizer sees it) and resolve ``max_tokens`` against the
-   context (400 naming the field);
+2. build the engine requests through the engine's ``InputProcessor``
+   (a character pre-check first, so a huge string is refused before the
+   tokenizer sees it): tokenized, validated, ``max_tokens`` resolved against
+   the context, any grammar compiled (400 naming the field);
 3. admission (503 + ``Retry-After`` when the bound is reached);
 4. generate: one engine request per prompt, their outputs merged. A
    streaming response is "primed": its first output is awaited before the
@@ -38,8 +39,9 @@ from starlette.types import Receive, Scope, Send
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.structured_output import StructuredOutputParams
 from kvserve.engine.client import EngineDeadError
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.input_processor import EngineRequest, InputProcessor
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.engine.structured_output import GrammarError
 from kvserve.lora.request import LoRARequest
 from kvserve.server.metrics import RequestTimer
 from kvserve.server.protocol import (
@@ -181,7 +183,7 @@ class Job:
     request_id: str
     model: str
     prompts: list[PromptInput]
-    params: list[SamplingParams]
+    params: SamplingParams  # as the body asks, before the input processor resolves them
     n: int
     body: SamplingRequest
     timer: RequestTimer
@@ -192,6 +194,8 @@ class Job:
     lora_request: LoRARequest | None = None  # the adapter "model" named, if any
     structured_param: str | None = None  # the field that asked for structured output
     tools: ToolCalling | None = None  # chat with tools (tool_choice not "none")
+    # one per prompt, from the input processor (``OpenAIServing._process``)
+    requests: list[EngineRequest] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -514,11 +518,11 @@ class OpenAIServing:
             await read_body(request, self.state.config.max_request_body_bytes))
         body.check()
         model = self.check_model(body.model)
-        engine = self.state.require_engine()
-        prompts = [self._completion_prompt(engine, body, prompt) for prompt in body.prompt]
-        job = self._job(engine, body, prompts, model, chat=False, top_logprobs=body.logprobs)
+        processor = self.state.require_engine().processor
+        prompts = [self._completion_prompt(processor, body, prompt) for prompt in body.prompt]
+        job = self._job(body, prompts, model, chat=False, top_logprobs=body.logprobs)
         job.echo, job.echo_only = body.echo, body.echo_only
-        await self._compile_grammar(engine, job)
+        await self._process(processor, job)
         return await self._serve(request, job)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -526,45 +530,45 @@ class OpenAIServing:
             await read_body(request, self.state.config.max_request_body_bytes))
         body.check()
         model = self.check_model(body.model)
-        engine = self.state.require_engine()
-        prompt = self._chat_prompt(engine, body)
-        job = self._job(engine, body, [prompt], model, chat=True,
-                        top_logprobs=body.num_top_logprobs)
+        processor = self.state.require_engine().processor
+        prompt = self._chat_prompt(processor, body)
+        job = self._job(body, [prompt], model, chat=True, top_logprobs=body.num_top_logprobs)
         self._tool_calling(body, job)
-        await self._compile_grammar(engine, job)
+        await self._process(processor, job)
         return await self._serve(request, job)
 
     # ------------------------------------------------------------ preparing
 
-    def _check_chars(self, engine: LLMEngine, text_len: int, param: str) -> None:
-        limit = engine.max_model_len * MAX_CHARS_PER_TOKEN
+    def _check_chars(self, processor: InputProcessor, text_len: int, param: str) -> None:
+        limit = processor.max_model_len * MAX_CHARS_PER_TOKEN
         if text_len > limit:
             raise APIError(400, f"{param}: {text_len} characters cannot fit the model's "
-                           f"context of {engine.max_model_len} tokens", param)
+                           f"context of {processor.max_model_len} tokens", param)
 
-    def _completion_prompt(self, engine: LLMEngine, body: CompletionRequest,
+    def _completion_prompt(self, processor: InputProcessor, body: CompletionRequest,
                            prompt: str | list[int]) -> PromptInput:
         if isinstance(prompt, str):
-            self._check_chars(engine, len(prompt), "prompt")
+            self._check_chars(processor, len(prompt), "prompt")
         try:
-            text, token_ids = engine.tokenize_prompt(prompt)
+            text, token_ids = processor.tokenize(prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from None
         if not body.echo:
             return PromptInput(token_ids, text)
         if text is None:
-            text = engine.tokenizer.decode(token_ids)
-        return PromptInput(token_ids, text, engine.tokenizer.decode(token_ids[:1]))
+            text = processor.tokenizer.decode(token_ids)
+        return PromptInput(token_ids, text, processor.tokenizer.decode(token_ids[:1]))
 
-    def _chat_prompt(self, engine: LLMEngine, body: ChatCompletionRequest) -> PromptInput:
-        self._check_chars(engine, sum(len(m.content or "") for m in body.messages), "messages")
+    def _chat_prompt(self, processor: InputProcessor, body: ChatCompletionRequest
+                     ) -> PromptInput:
+        self._check_chars(processor, sum(len(m.content or "") for m in body.messages),
+                          "messages")
         messages = [m.to_template() for m in body.messages]
         kwargs = dict(body.chat_template_kwargs or {})
         if body.tools:
             kwargs["tools"] = body.tool_dicts()
         try:
-            token_ids = engine.tokenizer.apply_chat_template(
-                messages, body.add_generation_prompt, kwargs)
+            token_ids = processor.apply_chat_template(messages, body.add_generation_prompt, kwargs)
         except Exception as exc:
             raise APIError(400, f"the chat template could not render these messages: "
                            f"{str(exc)[:200]}", "messages") from None
@@ -592,8 +596,8 @@ class OpenAIServing:
         except ValueError as exc:
             raise _bad_request(exc, body, prompt_param) from None
 
-    def _job(self, engine: LLMEngine, body: SamplingRequest, prompts: list[PromptInput],
-             model: str, chat: bool, top_logprobs: int | None) -> Job:
+    def _job(self, body: SamplingRequest, prompts: list[PromptInput], model: str, chat: bool,
+             top_logprobs: int | None) -> Job:
         max_n = self.state.config.max_n
         if body.n > max_n:
             raise APIError(400, f"n={body.n} is invalid: must be <= {max_n} on this server", "n")
@@ -604,15 +608,9 @@ class OpenAIServing:
         structured = body.structured_output()
         if structured is not None:
             base.structured_output = structured[0]
-        params = []
-        for prompt in prompts:
-            try:
-                params.append(engine.resolve_params(len(prompt.token_ids), base))
-            except ValueError as exc:
-                raise _bad_request(exc, body, prompt_param) from None
         prefix = "chatcmpl" if chat else "cmpl"
         return Job(chat=chat, request_id=f"{prefix}-{uuid.uuid4().hex}", model=model,
-                   prompts=prompts, params=params, n=body.n, body=body,
+                   prompts=prompts, params=base, n=body.n, body=body,
                    timer=self.state.metrics.timer(len(prompts) * body.n),
                    top_logprobs=top_logprobs, lora_request=self.state.config.lora_request(model),
                    structured_param=structured[1] if structured is not None else None)
@@ -637,21 +635,29 @@ class OpenAIServing:
                            f"{job.structured_param}", "tool_choice")
         else:
             schema = forced_calls_schema(body.tool_dicts(), name, body.parallel_tool_calls)
-            for params in job.params:
-                params.structured_output = StructuredOutputParams(json=schema)
+            job.params.structured_output = StructuredOutputParams(json=schema)
             job.structured_param = "tools"
         job.tools = ToolCalling(kind, name, parser, body.parallel_tool_calls)
 
-    async def _compile_grammar(self, engine: LLMEngine, job: Job) -> None:
-        """Compile the job's grammar in a worker thread (not on the event loop
-        or the engine's step loop; cached), or 400 naming the field."""
-        if job.structured_param is None:
-            return
-        try:
-            compiled = await asyncio.to_thread(engine.compile_grammar, job.params[0])
-        except ValueError as exc:
-            raise APIError(400, f"{job.structured_param}: {exc}", job.structured_param) from None
-        job.params = [params.with_grammar(compiled.grammar) for params in job.params]
+    async def _process(self, processor: InputProcessor, job: Job) -> None:
+        """One engine request per prompt, through the input processor: a 400
+        naming the field when it refuses one. A grammar is compiled in a
+        worker thread (not on the event loop; cached, so the later prompts
+        find it)."""
+        body, prompt_param = job.body, "messages" if job.chat else "prompt"
+        lora_request = job.lora_request
+        for prompt, request_id in zip(job.prompts, job.engine_request_ids):
+            args = (prompt.text, prompt.token_ids, job.params, request_id, body.priority,
+                    lora_request)
+            try:
+                job.requests.append(await asyncio.to_thread(processor.process_tokens, *args)
+                                    if job.structured_param is not None
+                                    else processor.process_tokens(*args))
+            except GrammarError as exc:
+                param = job.structured_param
+                raise APIError(400, f"{param}: {exc}", param) from None
+            except ValueError as exc:
+                raise _bad_request(exc, body, prompt_param) from None
 
     # ------------------------------------------------------------ serving
 
@@ -660,12 +666,7 @@ class OpenAIServing:
         self.state.admit(ticket)
         client = self.state.client
         assert client is not None
-        merger = OutputMerger([
-            client.generate(prompt.token_ids, params, request_id=request_id,
-                            priority=job.body.priority, lora_request=job.lora_request)
-            for prompt, params, request_id in zip(job.prompts, job.params,
-                                                  job.engine_request_ids)
-        ])
+        merger = OutputMerger([client.generate(engine_request) for engine_request in job.requests])
 
         async def cleanup() -> None:
             await merger.close()

@@ -2,13 +2,14 @@
 
 ``ServerState`` is shared by every route. It owns:
 
-- the engine (loaded in a daemon thread after the port is bound, so probes
-  get a 503 "loading" instead of a refused connection);
+- the engine client (loaded in a daemon thread after the port is bound, so
+  probes get a 503 "loading" instead of a refused connection); the routes
+  reach the engine only through it and its ``processor``;
 - ``Admission``: the bound on sequences in flight (running + queued), which
   turns a burst into 503s with ``Retry-After`` instead of an ever-growing
   queue, and knows the engine request ids to abort when draining;
-- the supervisor task: when the engine dies (a forward raised, or the
-  client's watchdog gave up on a hung one) it lets the in-flight responses
+- the supervisor task: when the engine dies (a forward raised, the
+  client's watchdog gave up on a hung one, the core process died) it lets the in-flight responses
   carry their errors out, keeps ``/health`` at 503 for a moment so probes
   see it, then asks the process to exit non-zero;
 - draining on SIGTERM or Ctrl-C (``DrainingServer`` routes uvicorn's signals
@@ -39,7 +40,6 @@ from kvserve.server.protocol import APIError
 
 if TYPE_CHECKING:
     from kvserve.engine.client import EngineClient
-    from kvserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ ABORT_FLUSH_S = 5.0
 # the exit status when repeated signals end the process on the spot
 EXIT_SIGNALLED = 130
 
-Loader = Callable[[], "tuple[LLMEngine, EngineClient]"]
+Loader = Callable[[], "EngineClient"]
 
 
 @dataclass
@@ -122,10 +122,9 @@ class ServerState:
     """Everything the routes share; see the module docstring."""
 
     def __init__(self, config: ServerConfig, loader: Loader | None = None,
-                 engine: LLMEngine | None = None, client: EngineClient | None = None) -> None:
+                 client: EngineClient | None = None) -> None:
         self.config = config
         self.loader = loader
-        self.engine = engine
         self.client = client
         self.metrics = ServerMetrics(config.model_name, self._stats)
         self.admission = Admission(config.max_num_seqs + config.max_queued_requests)
@@ -159,7 +158,7 @@ class ServerState:
     async def _load(self) -> None:
         assert self.loader is not None and self.loop is not None
         loop, loader = self.loop, self.loader
-        done: asyncio.Future[tuple[LLMEngine, EngineClient]] = loop.create_future()
+        done: asyncio.Future[EngineClient] = loop.create_future()
 
         def load() -> None:
             try:
@@ -172,7 +171,7 @@ class ServerState:
         # a daemon thread, so a SIGTERM while loading does not wait for it
         threading.Thread(target=load, name="kvserve-load", daemon=True).start()
         try:
-            self.engine, self.client = await done
+            self.client = await done
         except Exception as exc:
             logger.debug("the traceback of the loading failure below", exc_info=exc)
             logger.error("loading the model failed: %s", " ".join(str(exc).split())
@@ -247,20 +246,20 @@ class ServerState:
             return "the server is shutting down"
         return None
 
-    def require_engine(self) -> LLMEngine:
-        """The engine, or a 503 (loading, draining, dead) counted as a rejection."""
+    def require_engine(self) -> EngineClient:
+        """The engine client, or a 503 (loading, draining, dead) counted as a rejection."""
         reason, message = None, ""
         if self.draining:
             reason, message = "draining", "the server is shutting down"
-        elif self.engine is None or self.client is None:
+        elif self.client is None:
             reason, message = "loading", "the model is still loading"
         elif self.failed or not self.client.health().alive:
             reason, message = "engine_dead", "the engine is not available"
-        if reason is not None or self.engine is None:
+        if reason is not None or self.client is None:
             self.metrics.reject(reason or "loading")
             raise APIError(503, f"{message}; try again later or on another instance",
                            headers={"Retry-After": str(self.config.retry_after_s)})
-        return self.engine
+        return self.client
 
     def admit(self, ticket: Ticket) -> None:
         """Admit a request or raise 503 + Retry-After (400 if it can never fit)."""
@@ -301,8 +300,8 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def _settle(future: asyncio.Future[tuple[LLMEngine, EngineClient]],
-            result: tuple[LLMEngine, EngineClient] | None, exc: BaseException | None) -> None:
+def _settle(future: asyncio.Future[EngineClient], result: EngineClient | None,
+            exc: BaseException | None) -> None:
     if future.done():
         return
     if exc is not None:

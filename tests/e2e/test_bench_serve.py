@@ -144,6 +144,18 @@ def test_random_dataset_lengths() -> None:
     assert requests == bench.random_requests(args, tokens_per_word=2.0)  # seeded
 
 
+def test_workload_datasets_are_the_offline_workloads() -> None:
+    """--dataset-name w2 sends the requests `bench throughput --workload w2` runs."""
+    from kvserve.bench.workloads import w2
+
+    args = _args(dataset_name="w2", num_prompts=5, workload_vocab_size=1000, backend="openai")
+    requests = bench.workload_requests(args)
+    assert [(r.prompt, r.output_len) for r in requests] == [
+        (r.prompt_token_ids, r.output_len) for r in w2(1000, num_requests=5)]
+    with pytest.raises(ValueError, match="--backend openai"):
+        bench._check_args(_args(dataset_name="w3", backend="openai-chat"))
+
+
 def _stream(output_len: int, chunk_times: list[float], success: bool = True
             ) -> bench.RequestResult:
     return bench.RequestResult(success=success, output_len=output_len, chunk_times=chunk_times,

@@ -86,14 +86,14 @@ def _fail_a_worker(server: ServerProcess, sig: int) -> tuple[int, int, list[str]
 
 
 def _check_failed_and_gone(server: ServerProcess, health: int, status: int,
-                           frames: list[str]) -> None:
+                           frames: list[str], cause: str = "WorkerFailedError") -> None:
     assert health == 503
     assert status == 200, frames[-3:]
     assert json.loads(frames[-2][6:])["error"]["type"] == "InternalServerError", frames[-3:]
     assert frames[-1] == "data: [DONE]"
     exit_code = server.wait_exit(30)
     assert exit_code not in (None, 0), server.log()[-3000:]
-    assert "WorkerFailedError" in server.log()
+    assert cause in server.log()
     deadline = time.monotonic() + 15
     while live_group_members(server.process.pid) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -25,12 +25,14 @@ def complete(server: ServerProcess) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("core", ["inproc", "process"])
 def test_speculative_server_matches_and_counts(
         start_server: Callable[..., ServerProcess], serve_tiny: ServerProcess,
-        tiny_model: Path) -> None:
+        tiny_model: Path, core: str) -> None:
+    """Also with the engine core in its own process (its counters reach /metrics)."""
     config = {"method": "draft_model", "model": str(tiny_model), "num_speculative_tokens": 3,
               "auto_disable": False}
-    server = start_server(["--speculative-config", json.dumps(config)])
+    server = start_server(["--speculative-config", json.dumps(config), "--engine-core", core])
     assert complete(server) == complete(serve_tiny)
     drafted = server.metric("kvserve:spec_decode_num_draft_tokens_total")
     assert drafted > 0

@@ -14,7 +14,9 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.args import EngineArgs
+from kvserve.engine.input_processor import RequestOutputKind
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.outputs import RequestOutput
 from tests.conftest import make_tiny_checkpoint
 
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -270,3 +272,27 @@ def test_final_only_outputs_equal_streamed_ones(
         assert [(c.text, c.token_ids, c.finish_reason) for c in out.outputs] == [
             (c.text, c.token_ids, c.finish_reason) for c in other.outputs  # type: ignore[attr-defined]
         ]
+
+
+def test_output_kinds_carry_the_same_completion(tokenized_checkpoint: Path) -> None:
+    """DELTA outputs concatenate to the CUMULATIVE one (text, ids, logprobs);
+    FINAL_ONLY reports once; the input processor leaves the caller's params alone."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tokenized_checkpoint),
+                                                   max_model_len=24))
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True, logprobs=1,
+                            stop=["zz"])
+    ids = {kind: engine.add_request("hello world", params, output_kind=kind)
+           for kind in RequestOutputKind}
+    assert params.max_tokens is None  # resolved on a copy
+    seen: dict[str, list[RequestOutput]] = {request_id: [] for request_id in ids.values()}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    cumulative = seen[ids[RequestOutputKind.CUMULATIVE]][-1].outputs[0]
+    deltas = [o.outputs[0] for o in seen[ids[RequestOutputKind.DELTA]]]
+    assert "".join(d.text for d in deltas) == cumulative.text
+    assert [t for d in deltas for t in d.token_ids] == cumulative.token_ids
+    assert [e for d in deltas for e in d.logprobs or []] == cumulative.logprobs
+    final = seen[ids[RequestOutputKind.FINAL_ONLY]]
+    assert len(final) == 1 and final[0].outputs[0].token_ids == cumulative.token_ids
+    assert len(deltas) > 1

@@ -5,6 +5,7 @@ to every in-flight request — with async scheduling off and on."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,9 +14,15 @@ import pytest
 from kvserve import SamplingParams
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.client import EngineDeadError, ThreadedEngineClient
+from kvserve.engine.input_processor import EngineRequest, Prompt
 from kvserve.engine.llm_engine import LLMEngine
 
 PROMPT = [5, 17, 99, 3, 250, 7, 42]
+
+
+def _request(client: ThreadedEngineClient, prompt: Prompt, params: SamplingParams
+             ) -> EngineRequest:
+    return client.processor.process(prompt, params, uuid.uuid4().hex)
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
@@ -37,7 +44,7 @@ def test_streams_the_same_tokens_as_the_offline_engine(
     async def collect() -> tuple[list[int], int]:
         streamed: list[int] = []
         chunks = 0
-        async for output in client.generate(PROMPT, params):
+        async for output in client.generate(_request(client, PROMPT, params)):
             streamed.extend(output.outputs[0].delta_token_ids)
             chunks += 1
         return streamed, chunks
@@ -55,7 +62,7 @@ def test_streams_the_same_tokens_as_the_offline_engine(
 
 def test_invalid_request_fails_before_queuing(client: ThreadedEngineClient) -> None:
     async def bad() -> None:
-        async for _ in client.generate([], SamplingParams()):
+        async for _ in client.generate(_request(client, [], SamplingParams())):
             pass
 
     with pytest.raises(ValueError, match="prompt"):
@@ -68,7 +75,7 @@ def test_leaving_early_aborts_and_frees_blocks(client: ThreadedEngineClient) -> 
 
     async def leave_after_two() -> None:
         seen = 0
-        async for _ in client.generate(PROMPT, params):
+        async for _ in client.generate(_request(client, PROMPT, params)):
             seen += 1
             if seen == 2:
                 break
@@ -103,7 +110,7 @@ def test_a_failing_step_reaches_every_request(client: ThreadedEngineClient) -> N
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
 
     async def one() -> None:
-        async for _ in client.generate(PROMPT, params):
+        async for _ in client.generate(_request(client, PROMPT, params)):
             pass
 
     async def both() -> list[BaseException | None]:

@@ -392,8 +392,7 @@ def served(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPa
     base_text, lora_text = _offline_text(engine, None), _offline_text(engine, lora)
     assert base_text != lora_text
     client = ThreadedEngineClient(engine)
-    state = ServerState(ServerConfig(["tiny"], lora_requests=[lora]), engine=engine,
-                        client=client)
+    state = ServerState(ServerConfig(["tiny"], lora_requests=[lora]), client=client)
     yield Served(state, lora, base_text, lora_text)
     client.shutdown()
 

@@ -158,12 +158,13 @@ def test_client_fails_requests_on_a_dead_or_hung_step(tiny_model: Path,
                                                        faults: FaultInjection) -> None:
     client = ThreadedEngineClient(make_engine(tiny_model, faults), watchdog_s=0.5)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
+    process = client.processor.process
     with pytest.raises(EngineDeadError):
-        asyncio.run(asyncio.wait_for(_drain(client.generate([5, 6, 7], params)), 10))
+        asyncio.run(asyncio.wait_for(_drain(client.generate(process([5, 6, 7], params, "a"))), 10))
     health = client.health()
     assert not health.alive and health.error
     with pytest.raises(EngineDeadError):  # new requests fail at once
-        asyncio.run(asyncio.wait_for(_drain(client.generate([5, 6], params)), 5))
+        asyncio.run(asyncio.wait_for(_drain(client.generate(process([5, 6], params, "b"))), 5))
     client.shutdown(timeout_s=0.1)
 
 
@@ -176,7 +177,7 @@ def served(tiny_model: Path) -> Iterator[ServerState]:
     client = ThreadedEngineClient(engine)
     state = ServerState(ServerConfig(["tiny"], api_keys=[KEY, "other"], max_num_seqs=4,
                                      max_queued_requests=4, max_request_body_bytes=4096),
-                        engine=engine, client=client)
+                        client=client)
     yield state
     client.shutdown()
 
@@ -242,8 +243,8 @@ def test_internal_errors_are_generic(served: ServerState,
     def explode(*args: Any) -> Any:
         raise RuntimeError("secret detail at /home/me/kvserve.py")
 
-    assert served.engine is not None
-    monkeypatch.setattr(served.engine, "tokenize_prompt", explode)
+    assert served.client is not None
+    monkeypatch.setattr(served.client.processor, "tokenize", explode)
     response = call(served, "POST", "/v1/completions", json=COMPLETION)
     assert response.status_code == 500
     assert response.json()["error"]["message"] == (

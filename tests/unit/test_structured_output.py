@@ -75,7 +75,7 @@ def test_outputs_match_their_constraint(checkpoint: Path) -> None:
                                 structured_output=spec)
         for texts in _texts(llm, params, prompts):
             assert all(check(t) for t in texts), (spec.kind, texts)
-    compiler = llm.engine.grammar_compiler
+    compiler = llm.engine.processor.grammar_compiler
     compiled = compiler.num_compiled
     _texts(llm, SamplingParams(max_tokens=40, structured_output=StructuredOutputParams(
         json=dict(reversed(list(SCHEMA.items()))))), prompts)
