@@ -222,24 +222,25 @@ class ResponsesServing(OpenAIServing):
                                "evicted)", "previous_response_id")
             history = stored.history
         messages = input_messages(body.input)
-        engine = self.state.require_engine()
+        processor = self.state.require_engine().processor
         system = ([{"role": "system", "content": body.instructions}]
                   if body.instructions is not None else [])
         try:
             chat = ChatCompletionRequest.model_validate(
                 body.chat_fields([*system, *history, *messages]))
             chat.check()
-            prompt = self._chat_prompt(engine, chat)
-            job = self._job(engine, chat, [prompt], model, chat=True, top_logprobs=None)
+            prompt = self._chat_prompt(processor, chat)
+            job = self._job(chat, [prompt], model, chat=True, top_logprobs=None)
             self._tool_calling(chat, job)
-            await self._compile_grammar(engine, job)
+            values = {f.name: getattr(job, f.name) for f in fields(Job)}
+            values["request_id"] = f"resp_{uuid.uuid4().hex}"  # before the engine requests
+            response_job = ResponsesJob(**values, request=body, history=history)
+            await self._process(processor, response_job)
         except ValidationError as exc:
             raise responses_error(validation_error(exc)) from None
         except APIError as exc:
             raise responses_error(exc) from None
-        values = {f.name: getattr(job, f.name) for f in fields(Job)}
-        values["request_id"] = f"resp_{uuid.uuid4().hex}"
-        return await self._serve(request, ResponsesJob(**values, request=body, history=history))
+        return await self._serve(request, response_job)
 
     async def retrieve(self, response_id: str) -> Response:
         stored = self.store.get(response_id)
