@@ -15,14 +15,15 @@ with an error and ``health()`` says the engine is dead.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.llm_engine import LLMEngine, Prompt
@@ -30,6 +31,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -58,6 +60,11 @@ class EngineClient(Protocol):
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on the engine's own thread between two steps (adding or
+        removing an adapter); its exception is raised here."""
+        ...
 
     def health(self) -> EngineHealth: ...
 
@@ -134,6 +141,12 @@ class ThreadedEngineClient:
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        self._raise_if_dead()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", (fn, future)))
+        return await future
 
     def health(self) -> EngineHealth:
         return EngineHealth(
@@ -214,6 +227,13 @@ class ThreadedEngineClient:
                 self.engine.add_request(prompt, params, request_id, priority, lora_request)
             except ValueError as exc:
                 self._deliver(request_id, exc)
+        elif kind == "call":
+            fn, future = payload
+            try:
+                settle = functools.partial(_resolve, future, fn(), None)
+            except Exception as exc:  # handed to the caller
+                settle = functools.partial(_resolve, future, None, exc)
+            future.get_loop().call_soon_threadsafe(settle)
         elif kind == "abort":
             output = self.engine.abort_request(payload)
             if output is not None:
@@ -228,3 +248,13 @@ class ThreadedEngineClient:
             loop.call_soon_threadsafe(target.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed
             self._sinks.pop(request_id, None)
+
+
+def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """Settle ``future`` on its loop, unless its caller left meanwhile."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -20,6 +20,7 @@ uses at most ``max_loras`` adapters. The base weights are never modified.
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,8 +72,10 @@ class LoRAManager:
         self.device = device
         self.batch = LoRABatch(use_kernels)
         self.requests: dict[int, LoRARequest] = {}  # every adapter added and not removed
-        # lora_int_id -> its host copy, least recently used first
+        # lora_int_id -> its host copy, least recently used first; guarded by
+        # _lock (the server's thread adds adapters while the engine's steps)
         self.host: OrderedDict[int, HostAdapter] = OrderedDict()
+        self._lock = threading.Lock()
         # lora_int_id -> slot, least recently used first
         self.slots: OrderedDict[int, int] = OrderedDict()
         self.free_slots = list(range(lora_config.max_loras - 1, -1, -1))
@@ -147,7 +150,8 @@ class LoRAManager:
         engine removes only adapters no unfinished request uses."""
         if self.requests.pop(lora_int_id, None) is None:
             return False
-        self.host.pop(lora_int_id, None)
+        with self._lock:
+            self.host.pop(lora_int_id, None)
         slot = self.slots.pop(lora_int_id, None)
         if slot is not None:
             self.free_slots.append(slot)
@@ -168,10 +172,11 @@ class LoRAManager:
             packed.append(None if pieces is None else
                           (pieces[0].pin_memory(), pieces[1].pin_memory()) if pin else pieces)
         adapter = HostAdapter(lora_request, packed)
-        self.num_disk_loads += 1
-        self.host[lora_request.lora_int_id] = adapter
-        while len(self.host) > self.config.cpu_loras:
-            self.host.popitem(last=False)
+        with self._lock:
+            self.num_disk_loads += 1
+            self.host[lora_request.lora_int_id] = adapter
+            while len(self.host) > self.config.cpu_loras:
+                self.host.popitem(last=False)
         return adapter
 
     def _read_weights(
@@ -274,11 +279,12 @@ class LoRAManager:
         if lora_id in self.slots:
             self.slots.move_to_end(lora_id)
             return self.slots[lora_id]
-        adapter = self.host.get(lora_id)
+        with self._lock:
+            adapter = self.host.get(lora_id)
+            if adapter is not None:
+                self.host.move_to_end(lora_id)
         if adapter is None:  # dropped from the host cache: read it again
             adapter = self._read(self.requests[lora_id])
-        else:
-            self.host.move_to_end(lora_id)
         if self.free_slots:
             slot = self.free_slots.pop()
         else:

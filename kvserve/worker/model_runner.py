@@ -349,6 +349,10 @@ class ModelRunner:
             )
         self.lora_manager.add_lora(lora_request)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (False: unknown); no unfinished request may use it."""
+        return self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
+
     def capture_cuda_graphs(self) -> None:
         if not self.cuda_graph_sizes and not self.cuda_graph_token_sizes:
             return
