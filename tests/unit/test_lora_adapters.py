@@ -185,3 +185,58 @@ def test_runtime_loading_is_off_unless_enabled_and_needs_the_api_key(
                      headers={"Authorization": "Bearer secret"})[0] == 200
     finally:
         client.shutdown()
+
+
+# ------------------------------------------------------------ benchmark
+
+
+def _bench(argv: list[str], tmp_path: Path) -> dict[str, object]:
+    import gc
+    import json
+
+    from kvserve.cli import main
+
+    path = tmp_path / "result.json"
+    try:
+        assert main(["bench", *argv, "--device", "cpu", "--disable-tqdm",
+                     "--output-json", str(path)]) == 0
+    finally:
+        gc.unfreeze()  # a benchmark freezes the heap of its process, pytest's here
+    result: dict[str, object] = json.loads(path.read_text())
+    return result
+
+
+def test_bench_runs_random_adapters_round_robin(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve.bench import lora as bench_lora
+
+    made: list[list[LoRARequest]] = []
+    original = bench_lora.round_robin
+
+    def recording(loras: list[LoRARequest], num: int) -> list[LoRARequest | None] | None:
+        made.append(list(loras))
+        return original(loras, num)
+
+    monkeypatch.setattr(bench_lora, "round_robin", recording)
+    result = _bench(["throughput", "--num-prompts", "3", "--max-input-len", "16",
+                     "--max-output-len", "4", "--num-loras", "2", "--lora-rank", "24"], tmp_path)
+    assert result["num_loras"] == 2 and result["lora_rank"] == 24
+    assert result["total_output_tokens"] == 12
+    engine_args = result["engine_args"]
+    assert isinstance(engine_args, dict)
+    assert engine_args["enable_lora"] and engine_args["max_lora_rank"] == 24
+    assert [lora.lora_name for lora in made[0]] == ["bench-lora-0", "bench-lora-1"]
+    assert not Path(made[0][0].lora_path).exists()  # the temporary adapters are gone
+    result = _bench(["latency", "--input-len", "8", "--output-len", "4", "--batch-size", "2",
+                     "--num-iters", "1", "--num-iters-warmup", "0", "--num-loras", "1",
+                     "--lora-rank", "4", "--lora-targets", "q_proj", "v_proj"], tmp_path)
+    assert result["num_loras"] == 1 and result["lora_targets"] == ["q_proj", "v_proj"]
+
+
+def test_bench_lora_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserve.cli import main
+
+    for flags, message in ((["--num-loras", "-1"], "--num-loras=-1 is invalid"),
+                           (["--lora-rank", "0"], "--lora-rank=0 is invalid")):
+        assert main(["bench", "throughput", "--device", "cpu", *flags]) == 2
+        assert message in capsys.readouterr().err
