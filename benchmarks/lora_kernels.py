@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.bench.device_rates import graph_call_us
-from kvserve.kernels.lora import lora_expand, lora_shrink
+from kvserve.kernels.lora import lora_expand, lora_shrink, num_tiles
+from kvserve.lora.manager import write_segments
 
 SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o_proj": (4096, [4096]),
           "gate_up": (4096, [14336, 14336]), "down": (14336, [4096])}
@@ -37,11 +38,11 @@ def _indices(num_tokens: int, num_loras: int, form: str) -> dict[str, torch.Tens
     slots = np.arange(num_tokens, dtype=np.int32) % num_loras
     if form == "gathered":
         return {"token_slots": torch.tensor(slots, device="cuda")}
-    order = np.argsort(slots, kind="stable").astype(np.int32)
-    start = np.zeros(num_loras + 1, dtype=np.int32)
-    start[1:] = np.cumsum(np.bincount(slots, minlength=num_loras))
-    return {"sorted_ids": torch.tensor(order, device="cuda"),
-            "slot_start": torch.tensor(start, device="cuda")}
+    sorted_ids = np.zeros(num_tokens, dtype=np.int32)
+    tiles = np.zeros((3, num_tiles(num_tokens, num_loras)), dtype=np.int32)
+    write_segments(slots, num_loras, sorted_ids, tiles)
+    return {"sorted_ids": torch.tensor(sorted_ids, device="cuda"),
+            "tiles": torch.tensor(tiles, device="cuda")}
 
 
 def _base(x: torch.Tensor, weight: torch.Tensor, _: int) -> torch.Tensor:

@@ -87,17 +87,17 @@ def build_quant_matmul() -> None:
 def build_lora() -> None:
     """The batched LoRA shrink and expand, gathered and segmented, bf16 and
     float32 models, ranks 8 (padded to the 16 of a dot tile) and 64."""
-    indices = {name: "*i32" for name in ("token_slots_ptr", "sorted_ids_ptr", "slot_start_ptr",
+    indices = {name: "*i32" for name in ("token_slots_ptr", "sorted_ids_ptr", "tiles_ptr",
                                           "slices_ptr")}
     for dtype, rank, segmented in itertools.product(("bf16", "fp32"), (8, 64), (False, True)):
         pointers = indices | {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "buf_ptr": "*fp32"}
         block_r = max(16, rank) if segmented else min(4, rank)
         build(lora_shrink_kernel, pointers, dict(
-            RANK=rank, BLOCK_M=16 if segmented else 1, BLOCK_R=block_r,
+            RANK=rank, BLOCK_M=16, BLOCK_R=block_r,
             BLOCK_K=64 if segmented else 256, SEGMENTED=segmented), ())
         pointers = indices | {"b_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "buf_ptr": "*fp32"}
         build(lora_expand_kernel, pointers, dict(
-            RANK=rank, BLOCK_M=16 if segmented else 1, BLOCK_N=64 if segmented else 128,
+            RANK=rank, BLOCK_M=16, BLOCK_N=64 if segmented else 128,
             BLOCK_R=max(16, rank), SEGMENTED=segmented), ())
 
 

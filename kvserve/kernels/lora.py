@@ -21,12 +21,13 @@ depends on the step's adapters:
   chunk of the rank for the shrink, of N for the expand) and reads its own
   adapter's rows; it is the small batch's form, with no sorting and no
   idle programs but those of tokens without an adapter.
-- segmented form (prefill and mixed steps): ``sorted_ids [num_tokens]``
-  int32, the tokens with an adapter grouped by slot, and ``slot_start
-  [max_loras + 1]`` int32, where each slot's group starts. The grid covers
-  every slot with as many tiles of ``BLOCK_M`` tokens as the whole step has;
-  a tile past its slot's group returns at once. A tile is one adapter's
-  tokens, so its products are ``tl.dot`` tiles.
+- segmented form (larger steps): ``sorted_ids [num_tokens]`` int32, the
+  tokens with an adapter grouped by slot, and ``tiles [3, max_tiles]``
+  int32: per tile of at most ``TILE_M`` tokens of one adapter, its first
+  and end positions in ``sorted_ids`` and its slot (-1: no tile). A step of
+  ``T`` tokens has at most ``cdiv(T, TILE_M) + max_loras`` tiles, the grid's
+  size, so it depends on ``T`` alone; a tile's products are ``tl.dot``
+  tiles, and each adapter's A and B are read once per tile, not per token.
 
 Arithmetic: products and sums in float32 (``input_precision="ieee"``, so a
 float32 model gets no TF32), the shrink's result kept in float32, the
@@ -41,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+TILE_M = 16  # tokens per tile of the segmented form (tl.dot's smallest M)
+
 
 @triton.jit
 def lora_shrink_kernel(
@@ -49,7 +52,8 @@ def lora_shrink_kernel(
     buf_ptr,  # [num_slices, max_tokens, max_rank] float32
     token_slots_ptr,  # [num_tokens] int32, gathered form
     sorted_ids_ptr,  # [num_tokens] int32, segmented form
-    slot_start_ptr,  # [max_loras + 1] int32, segmented form
+    tiles_ptr,  # [3, tile_stride] int32, segmented form
+    tile_stride,
     K,
     stride_xm,
     stride_as,
@@ -64,19 +68,17 @@ def lora_shrink_kernel(
     SEGMENTED: tl.constexpr,
 ):
     """Gathered grid ``(num_tokens, num_slices, cdiv(RANK, BLOCK_R))``;
-    segmented grid ``(cdiv(num_tokens, BLOCK_M), num_slices, max_loras)``."""
+    segmented grid ``(num_tiles, num_slices)``."""
     s = tl.program_id(1)
     ranks = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     if SEGMENTED:
-        slot = tl.program_id(2)
-        seg_start = tl.load(slot_start_ptr + slot)
-        seg_end = tl.load(slot_start_ptr + slot + 1)
-        first = seg_start + tl.program_id(0) * BLOCK_M
-        if first >= seg_end:
+        tile = tl.program_id(0)
+        slot = tl.load(tiles_ptr + 2 * tile_stride + tile)
+        if slot < 0:
             return
-        rows = first + tl.arange(0, BLOCK_M)
-        row_mask = rows < seg_end
+        rows = tl.load(tiles_ptr + tile) + tl.arange(0, BLOCK_M)
+        row_mask = rows < tl.load(tiles_ptr + tile_stride + tile)
         tokens = tl.load(sorted_ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         rank_mask = ranks < RANK
         a_base = a_ptr + s * stride_as + slot.to(tl.int64) * stride_al
@@ -117,7 +119,9 @@ def lora_expand_kernel(
     slices_ptr,  # [2, num_slices] int32: each slice's first row in N, and its rows
     token_slots_ptr,  # [num_tokens] int32, gathered form
     sorted_ids_ptr,  # [num_tokens] int32, segmented form
-    slot_start_ptr,  # [max_loras + 1] int32, segmented form
+    tiles_ptr,  # [3, tile_stride] int32, segmented form
+    tile_stride,
+    num_n,  # cdiv(max slice rows, BLOCK_N)
     num_slices,
     stride_bs,
     stride_bm,
@@ -131,25 +135,20 @@ def lora_expand_kernel(
     SEGMENTED: tl.constexpr,
 ):
     """Gathered grid ``(num_tokens, num_slices, cdiv(max slice rows, BLOCK_N))``;
-    segmented grid ``(cdiv(num_tokens, BLOCK_M) * cdiv(max slice rows, BLOCK_N),
-    num_slices, max_loras)``."""
+    segmented grid ``(num_tiles * cdiv(max slice rows, BLOCK_N), num_slices)``."""
     s = tl.program_id(1)
     slice_start = tl.load(slices_ptr + s)
     slice_size = tl.load(slices_ptr + num_slices + s)
     ranks = tl.arange(0, BLOCK_R)
     rank_mask = ranks < RANK
     if SEGMENTED:
-        slot = tl.program_id(2)
-        num_n = tl.cdiv(slice_size, BLOCK_N)
+        tile = tl.program_id(0) // num_n
         n_tile = tl.program_id(0) % num_n
-        m_tile = tl.program_id(0) // num_n
-        seg_start = tl.load(slot_start_ptr + slot)
-        seg_end = tl.load(slot_start_ptr + slot + 1)
-        first = seg_start + m_tile * BLOCK_M
-        if first >= seg_end:
+        slot = tl.load(tiles_ptr + 2 * tile_stride + tile)
+        if slot < 0 or n_tile * BLOCK_N >= slice_size:
             return
-        rows = first + tl.arange(0, BLOCK_M)
-        row_mask = rows < seg_end
+        rows = tl.load(tiles_ptr + tile) + tl.arange(0, BLOCK_M)
+        row_mask = rows < tl.load(tiles_ptr + tile_stride + tile)
         tokens = tl.load(sorted_ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         shrunk = tl.load(buf_ptr + s * stride_bs + tokens[:, None] * stride_bm + ranks[None, :],
                          mask=row_mask[:, None] & rank_mask[None, :], other=0.0)
@@ -182,26 +181,32 @@ def lora_expand_kernel(
     tl.store(out_ptrs, (current.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_indices(num_tokens: int, token_slots: torch.Tensor | None,
-                   sorted_ids: torch.Tensor | None, slot_start: torch.Tensor | None,
-                   max_loras: int) -> bool:
-    """Check the index tensors of one form; True: the segmented form."""
-    if (token_slots is None) == (sorted_ids is None):
-        raise ValueError("lora kernels: pass token_slots (gathered) or sorted_ids and "
-                         "slot_start (segmented), not both")
+def num_tiles(num_tokens: int, max_loras: int) -> int:
+    """The most tiles of the segmented form a step of ``num_tokens`` tokens has."""
+    return triton.cdiv(num_tokens, TILE_M) + min(max_loras, num_tokens)
+
+
+def _check_indices(num_tokens: int, max_loras: int, token_slots: torch.Tensor | None,
+                   sorted_ids: torch.Tensor | None, tiles: torch.Tensor | None) -> int:
+    """Check the index tensors of one form; the segmented grid's tiles (0: gathered)."""
+    if (token_slots is None) == (sorted_ids is None) or (sorted_ids is None) != (tiles is None):
+        raise ValueError("lora kernels: pass token_slots (gathered) or sorted_ids and tiles "
+                         "(segmented), not both")
     if token_slots is not None:
         if token_slots.dtype != torch.int32 or token_slots.shape[0] < num_tokens:
             raise ValueError(f"token_slots: int32 [>= {num_tokens}] needed, got "
                              f"{token_slots.dtype} {tuple(token_slots.shape)}")
-        return False
-    assert sorted_ids is not None
-    if slot_start is None or slot_start.dtype != torch.int32 or \
-            slot_start.shape[0] < max_loras + 1:
-        raise ValueError(f"slot_start: int32 [{max_loras + 1}] needed")
+        return 0
+    assert sorted_ids is not None and tiles is not None
+    count = num_tiles(num_tokens, max_loras)
+    if (tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[0] != 3
+            or tiles.shape[1] < count or tiles.stride(1) != 1):
+        raise ValueError(f"tiles: int32 [3, >= {count}] needed, got {tiles.dtype} "
+                         f"{tuple(tiles.shape)}")
     if sorted_ids.dtype != torch.int32 or sorted_ids.shape[0] < num_tokens:
         raise ValueError(f"sorted_ids: int32 [>= {num_tokens}] needed, got "
                          f"{sorted_ids.dtype} {tuple(sorted_ids.shape)}")
-    return True
+    return count
 
 
 def _rank_block(rank: int) -> int:
@@ -214,7 +219,7 @@ def lora_shrink(
     buf: torch.Tensor,  # [>= num_slices, >= num_tokens, max_rank] float32
     token_slots: torch.Tensor | None = None,  # [>= num_tokens] int32
     sorted_ids: torch.Tensor | None = None,  # [>= num_tokens] int32
-    slot_start: torch.Tensor | None = None,  # [max_loras + 1] int32
+    tiles: torch.Tensor | None = None,  # [3, >= num_tiles] int32
 ) -> None:
     """``buf[s, t] = x[t] @ lora_a[s, slot(t)].T`` for every slice ``s`` and every
     token ``t`` with an adapter; one launch."""
@@ -223,28 +228,34 @@ def lora_shrink(
     if k_a != k or x.stride(1) != 1 or not lora_a.is_contiguous():
         raise ValueError(f"lora_shrink: x {tuple(x.shape)} (stride 1 in K) and a contiguous "
                          f"lora_a [slices, loras, rank, {k}] needed, got {tuple(lora_a.shape)}")
-    if (buf.dtype != torch.float32 or buf.shape[0] < num_slices or buf.shape[2] != rank
-            or buf.shape[1] < num_tokens or buf.stride(2) != 1):
-        raise ValueError(f"lora_shrink: buf float32 [>= {num_slices}, >= {num_tokens}, {rank}] "
-                         f"needed, got {buf.dtype} {tuple(buf.shape)}")
-    segmented = _check_indices(num_tokens, token_slots, sorted_ids, slot_start, max_loras)
+    _check_buf("lora_shrink", buf, num_slices, num_tokens, rank)
+    segmented_tiles = _check_indices(num_tokens, max_loras, token_slots, sorted_ids, tiles)
     if num_tokens == 0:
         return
-    dummy = token_slots if token_slots is not None else sorted_ids
-    assert dummy is not None
-    if segmented:
-        block_m, block_r, block_k = 16, _rank_block(rank), 64
-        grid = (triton.cdiv(num_tokens, block_m), num_slices, max_loras)
+    index = token_slots if token_slots is not None else sorted_ids
+    assert index is not None
+    table = tiles if tiles is not None else index.view(1, -1)
+    if segmented_tiles:
+        block_r, block_k = _rank_block(rank), 64
+        grid: tuple[int, ...] = (segmented_tiles, num_slices)
     else:
-        block_m, block_r, block_k = 1, min(4, triton.next_power_of_2(rank)), 256
+        block_r, block_k = min(4, triton.next_power_of_2(rank)), 256
         grid = (num_tokens, num_slices, triton.cdiv(rank, block_r))
     lora_shrink_kernel[grid](
-        x, lora_a, buf, dummy, dummy if sorted_ids is None else sorted_ids,
-        dummy if slot_start is None else slot_start,
+        x, lora_a, buf, index, index, table, table.stride(0),
         k, x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         buf.stride(0), buf.stride(1),
-        RANK=rank, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SEGMENTED=segmented,
+        RANK=rank, BLOCK_M=TILE_M, BLOCK_R=block_r, BLOCK_K=block_k,
+        SEGMENTED=bool(segmented_tiles),
     )
+
+
+def _check_buf(name: str, buf: torch.Tensor, num_slices: int, num_tokens: int,
+               rank: int) -> None:
+    if (buf.dtype != torch.float32 or buf.shape[0] < num_slices or buf.shape[2] != rank
+            or buf.shape[1] < num_tokens or buf.stride(2) != 1):
+        raise ValueError(f"{name}: buf float32 [>= {num_slices}, >= {num_tokens}, {rank}] "
+                         f"needed, got {buf.dtype} {tuple(buf.shape)}")
 
 
 def lora_expand(
@@ -255,7 +266,7 @@ def lora_expand(
     max_slice_size: int,
     token_slots: torch.Tensor | None = None,
     sorted_ids: torch.Tensor | None = None,
-    slot_start: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> None:
     """``out[t, slice s] += buf[s, t] @ lora_b[slot(t), slice s].T`` for every
     token with an adapter; one launch for all slices."""
@@ -269,26 +280,22 @@ def lora_expand(
     if slices.dtype != torch.int32 or slices.shape[0] != 2 or not slices.is_contiguous():
         raise ValueError(f"lora_expand: slices int32 [2, num_slices] needed, got "
                          f"{slices.dtype} {tuple(slices.shape)}")
-    if (buf.dtype != torch.float32 or buf.shape[0] < num_slices or buf.shape[2] != rank
-            or buf.shape[1] < num_tokens or buf.stride(2) != 1):
-        raise ValueError(f"lora_expand: buf float32 [>= {num_slices}, >= {num_tokens}, {rank}] "
-                         f"needed, got {buf.dtype} {tuple(buf.shape)}")
-    segmented = _check_indices(num_tokens, token_slots, sorted_ids, slot_start, max_loras)
+    _check_buf("lora_expand", buf, num_slices, num_tokens, rank)
+    segmented_tiles = _check_indices(num_tokens, max_loras, token_slots, sorted_ids, tiles)
     if num_tokens == 0:
         return
-    dummy = token_slots if token_slots is not None else sorted_ids
-    assert dummy is not None
-    block_r = _rank_block(rank)
-    if segmented:
-        block_m, block_n = 16, 64
-        grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(max_slice_size, block_n),
-                num_slices, max_loras)
+    index = token_slots if token_slots is not None else sorted_ids
+    assert index is not None
+    table = tiles if tiles is not None else index.view(1, -1)
+    block_n = 64 if segmented_tiles else 128
+    num_n = triton.cdiv(max_slice_size, block_n)
+    if segmented_tiles:
+        grid: tuple[int, ...] = (segmented_tiles * num_n, num_slices)
     else:
-        block_m, block_n = 1, 128
-        grid = (num_tokens, num_slices, triton.cdiv(max_slice_size, block_n))
+        grid = (num_tokens, num_slices, num_n)
     lora_expand_kernel[grid](
-        buf, lora_b, out, slices, dummy, dummy if sorted_ids is None else sorted_ids,
-        dummy if slot_start is None else slot_start, num_slices,
+        buf, lora_b, out, slices, index, index, table, table.stride(0), num_n, num_slices,
         buf.stride(0), buf.stride(1), lora_b.stride(0), lora_b.stride(1), out.stride(0),
-        RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SEGMENTED=segmented,
+        RANK=rank, BLOCK_M=TILE_M, BLOCK_N=block_n, BLOCK_R=_rank_block(rank),
+        SEGMENTED=bool(segmented_tiles),
     )

@@ -37,52 +37,56 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from kvserve.kernels.lora import lora_expand, lora_shrink
+from kvserve.kernels.lora import lora_expand, lora_shrink, num_tiles
 from kvserve.layers.linear import Linear
 
-GATHERED, SEGMENTED = "gathered", "segmented"
+# steps of at most this many tokens run the gathered form of the kernels, larger
+# ones the segmented form; a captured graph size, so that a step and the graph
+# it replays pick the same form (and do the same arithmetic)
+GATHER_MAX_TOKENS = 16
 
 
 class LoRABatch:
     """Which tokens of the step use which adapter slot; shared by every
     ``LoRALinear`` and set once per step by ``LoRAManager.set_batch``.
 
-    The torch path reads ``slot_rows``. The kernel path reads three int32
-    device tensors, views of one buffer written by one copy per step:
+    The torch path reads ``slot_rows``. The kernel path reads int32 device
+    tensors, views of one buffer written by one copy per step:
     ``token_slots [max_num_tokens]`` (-1: no adapter; padding tokens too),
     ``sorted_ids`` (the tokens with an adapter, grouped by slot) and
-    ``slot_start [max_loras + 1]``; and its shrink writes ``shrunk
-    [max_slices, max_num_tokens, max_rank]`` float32.
+    ``tiles [3, max_tiles]`` (``kernels/lora.py``); its shrink writes
+    ``shrunk [max_slices, max_num_tokens, max_rank]`` float32.
     """
 
     def __init__(self, use_kernels: bool = False) -> None:
         # (slot, row indices [num_rows] int64 on the device) per slot used this step
         self.slot_rows: list[tuple[int, torch.Tensor]] = []
         self.use_kernels = use_kernels
-        # the kernels' form for an eager step (GATHERED for decode steps); None:
-        # no adapter in the step, nothing to add. A CUDA graph captures the form
-        # set while it was captured and replays it whatever this says later.
-        self.mode: str | None = None
+        # whether the kernels run: an eager step without adapters skips them; a
+        # CUDA graph is captured with them and replays them whatever this says
+        self.active = False
         self.packed = torch.zeros(0, dtype=torch.int32)
-        self.token_slots = self.sorted_ids = self.slot_start = self.packed
+        self.token_slots = self.sorted_ids = self.packed
+        self.tiles = self.packed.view(1, 0)
         self.shrunk = torch.zeros(0, 0, 0)
 
     def allocate(self, max_num_tokens: int, max_loras: int, max_slices: int, max_rank: int,
                  device: torch.device) -> None:
         """The kernels' fixed device buffers (once, before any graph is captured)."""
-        self.packed = torch.full((2 * max_num_tokens + max_loras + 1,), -1, dtype=torch.int32,
+        max_tiles = num_tiles(max_num_tokens, max_loras)
+        self.packed = torch.full((2 * max_num_tokens + 3 * max_tiles,), -1, dtype=torch.int32,
                                  device=device)
         self.token_slots = self.packed[:max_num_tokens]
         self.sorted_ids = self.packed[max_num_tokens:2 * max_num_tokens]
-        self.slot_start = self.packed[2 * max_num_tokens:]
+        self.tiles = self.packed[2 * max_num_tokens:].view(3, max_tiles)
         self.shrunk = torch.zeros(max_slices, max_num_tokens, max_rank, dtype=torch.float32,
                                   device=device)
 
-    def indices(self) -> dict[str, torch.Tensor]:
-        """The index tensors of the current form, as the kernels take them."""
-        if self.mode == GATHERED:
+    def indices(self, num_tokens: int) -> dict[str, torch.Tensor]:
+        """The index tensors of a ``num_tokens`` step's form, as the kernels take them."""
+        if num_tokens <= GATHER_MAX_TOKENS:
             return {"token_slots": self.token_slots}
-        return {"sorted_ids": self.sorted_ids, "slot_start": self.slot_start}
+        return {"sorted_ids": self.sorted_ids, "tiles": self.tiles}
 
 
 class LoRASlice(NamedTuple):
@@ -167,8 +171,8 @@ class LoRALinear(nn.Module):
         out = self.base.forward_local(x)  # [num_tokens, output_size]
         batch = self.batch
         if batch.use_kernels:
-            if batch.mode is not None:
-                indices = batch.indices()
+            if batch.active:
+                indices = batch.indices(x.shape[0])
                 lora_shrink(x, self.lora_a, batch.shrunk, **indices)
                 lora_expand(batch.shrunk, self.lora_b, out, self.slice_table,
                             self.max_slice_size, **indices)

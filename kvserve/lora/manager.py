@@ -32,7 +32,8 @@ import torch
 from kvserve.config import LoRAConfig
 from kvserve.host_copy import to_device
 from kvserve.layers.linear import ColumnLinear, Linear, RowLinear, ShardId
-from kvserve.lora.layers import GATHERED, SEGMENTED, LoRABatch, LoRALinear, LoRASlice
+from kvserve.kernels.lora import TILE_M
+from kvserve.lora.layers import LoRABatch, LoRALinear, LoRASlice
 from kvserve.lora.peft import (
     SUPPORTED_TARGET_MODULES,
     WEIGHTS_FILE,
@@ -58,6 +59,28 @@ class HostAdapter:
     request: LoRARequest
     # per wrapped linear (``LoRAManager.linears`` order): LoRALinear.pack's output
     packed: list[tuple[torch.Tensor, torch.Tensor] | None]
+
+
+def write_segments(token_slots: np.ndarray, max_loras: int, sorted_ids: np.ndarray,
+                   tiles: np.ndarray) -> int:
+    """Write the segmented form of ``token_slots`` (``kernels/lora.py``): the
+    tokens with an adapter grouped by slot into ``sorted_ids``, each slot's
+    run cut into tiles of ``TILE_M`` into ``tiles [3, max_tiles]`` (first,
+    end, slot; -1 after the last tile). Returns the tokens with an adapter."""
+    adapted = np.flatnonzero(token_slots >= 0)
+    sorted_ids[:len(adapted)] = adapted[np.argsort(token_slots[adapted], kind="stable")]
+    counts = np.bincount(token_slots[adapted], minlength=max_loras)
+    starts = np.cumsum(counts) - counts
+    tiles_per_slot = -(-counts // TILE_M)
+    tile_slot = np.repeat(np.arange(len(counts)), tiles_per_slot)
+    num = len(tile_slot)
+    within = np.arange(num) - np.repeat(np.cumsum(tiles_per_slot) - tiles_per_slot,
+                                        tiles_per_slot)
+    tiles[0, :num] = starts[tile_slot] + TILE_M * within
+    tiles[1, :num] = starts[tile_slot] + counts[tile_slot]
+    tiles[2, :num] = tile_slot
+    tiles[2, num:] = -1
+    return len(adapted)
 
 
 class LoRAManager:
@@ -261,18 +284,13 @@ class LoRAManager:
         host = self._host_indices.numpy()
         host[:total] = token_slots
         host[total:padded] = -1
-        adapted = np.flatnonzero(token_slots >= 0)
-        order = adapted[np.argsort(token_slots[adapted], kind="stable")]
-        host[max_num_tokens:max_num_tokens + len(order)] = order
-        slot_start = host[2 * max_num_tokens:]
-        slot_start[0] = 0
-        np.cumsum(np.bincount(token_slots[adapted], minlength=self.config.max_loras),
-                  out=slot_start[1:])
+        num_adapted = write_segments(token_slots, self.config.max_loras,
+                                     host[max_num_tokens:2 * max_num_tokens],
+                                     host[2 * max_num_tokens:].reshape(3, -1))
         batch.packed.copy_(self._host_indices, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        batch.mode = (None if not len(adapted) else
-                      GATHERED if total == len(slots) else SEGMENTED)
+        batch.active = bool(num_adapted)
 
     def _activate(self, lora_id: int, step_ids: set[int]) -> int:
         """The slot holding ``lora_id``, loading it (and evicting) if needed."""

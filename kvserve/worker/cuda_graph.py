@@ -26,10 +26,10 @@ take about as much memory as the largest.
 
 With LoRA (the batched kernels of ``kernels/lora.py``) every graph runs
 each wrapped linear's shrink and expand, which read the step's
-token-to-slot tensors from ``LoRABatch``'s fixed buffers: decode graphs
-the gathered form, token graphs the segmented one. So steps with adapters,
-any mix of them and none, replay graphs too; a step without adapters pays
-the launches of programs that return at once.
+token-to-slot tensors from ``LoRABatch``'s fixed buffers (the gathered
+form up to ``GATHER_MAX_TOKENS`` tokens, the segmented one above). So
+steps with adapters, any mix of them and none, replay graphs too; a step
+without adapters pays the launches of programs that return at once.
 
 With tensor parallelism the graphs capture the TP collectives (NCCL, or
 the one-shot all-reduce): every size is first run on a side stream, so
@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.lora.layers import GATHERED, SEGMENTED, LoRABatch
+from kvserve.lora.layers import LoRABatch
 from kvserve.models.registry import CausalLM
 from kvserve.worker.input_batch import StepBuffers
 
@@ -173,17 +173,16 @@ class CudaGraphs:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
-        self._set_lora_mode(SEGMENTED)
+        self._set_lora_active(True)
         for size in reversed(self.token_sizes):
             self.token_graphs[size], self.hidden[size] = _capture(self._token_forward, size, pool,
                                                                   self.capture_mode)
-        self._set_lora_mode(GATHERED)
         for size in reversed(self.decode_sizes):
             graph, (logits, greedy_ids, hidden) = _capture(self._decode_forward_hidden, size,
                                                            pool, self.capture_mode)
             self.decode_graphs[size], self.logits[size] = graph, (logits, greedy_ids)
             self.decode_hidden[size] = hidden
-        self._set_lora_mode(None)
+        self._set_lora_active(False)
         torch.cuda.synchronize()
         self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(
@@ -192,11 +191,11 @@ class CudaGraphs:
             _span(self.token_sizes), time.perf_counter() - start, self.pool_bytes / 1e9,
         )
 
-    def _set_lora_mode(self, mode: str | None) -> None:
-        """The LoRA kernels' form captured next (their indices hold -1 meanwhile:
-        no token has an adapter, so capturing writes nothing)."""
+    def _set_lora_active(self, active: bool) -> None:
+        """Capture the LoRA kernels (their indices hold -1 meanwhile: no token
+        has an adapter, so capturing writes nothing)."""
         if self.lora_batch is not None:
-            self.lora_batch.mode = mode
+            self.lora_batch.active = active
 
     def replay_decode(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the decode graph of ``size`` on the buffers' contents; its logits

@@ -34,14 +34,14 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 def _indices(slots: np.ndarray, max_loras: int, form: str) -> dict[str, torch.Tensor]:
     if form == "gathered":
         return {"token_slots": torch.tensor(slots, dtype=torch.int32, device="cuda")}
-    adapted = np.flatnonzero(slots >= 0)
-    order = adapted[np.argsort(slots[adapted], kind="stable")]
+    from kvserve.kernels.lora import num_tiles
+    from kvserve.lora.manager import write_segments
+
     sorted_ids = np.zeros(len(slots), dtype=np.int32)
-    sorted_ids[:len(order)] = order
-    slot_start = np.zeros(max_loras + 1, dtype=np.int32)
-    slot_start[1:] = np.cumsum(np.bincount(slots[adapted], minlength=max_loras))
+    tiles = np.zeros((3, num_tiles(len(slots), max_loras)), dtype=np.int32)
+    write_segments(slots, max_loras, sorted_ids, tiles)
     return {"sorted_ids": torch.tensor(sorted_ids, device="cuda"),
-            "slot_start": torch.tensor(slot_start, device="cuda")}
+            "tiles": torch.tensor(tiles, device="cuda")}
 
 
 @pytest.mark.parametrize("form", ["gathered", "segmented"])

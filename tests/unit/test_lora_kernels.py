@@ -23,9 +23,9 @@ require_interpreter("tests/gpu/test_lora_kernels_gpu.py")
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.config import LoRAConfig  # noqa: E402
-from kvserve.kernels.lora import lora_expand, lora_shrink  # noqa: E402
+from kvserve.kernels.lora import lora_expand, lora_shrink, num_tiles  # noqa: E402
 from kvserve.lora import LoRARequest  # noqa: E402
-from kvserve.lora.manager import LoRAManager  # noqa: E402
+from kvserve.lora.manager import LoRAManager, write_segments  # noqa: E402
 from kvserve.models.loader import load_model  # noqa: E402
 from kvserve.models.source import resolve_model_config  # noqa: E402
 from kvserve.worker import model_runner  # noqa: E402
@@ -49,14 +49,10 @@ def reference_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
 
 
 def segmented_indices(slots: list[int], max_loras: int) -> dict[str, torch.Tensor]:
-    array = np.asarray(slots)
-    adapted = np.flatnonzero(array >= 0)
-    order = adapted[np.argsort(array[adapted], kind="stable")]
     sorted_ids = np.zeros(len(slots), dtype=np.int32)
-    sorted_ids[:len(order)] = order
-    slot_start = np.zeros(max_loras + 1, dtype=np.int32)
-    slot_start[1:] = np.cumsum(np.bincount(array[adapted], minlength=max_loras))
-    return {"sorted_ids": torch.from_numpy(sorted_ids), "slot_start": torch.from_numpy(slot_start)}
+    tiles = np.zeros((3, num_tiles(len(slots), max_loras)), dtype=np.int32)
+    write_segments(np.asarray(slots, dtype=np.int32), max_loras, sorted_ids, tiles)
+    return {"sorted_ids": torch.from_numpy(sorted_ids), "tiles": torch.from_numpy(tiles)}
 
 
 CASES = [  # (slice sizes, input size, max rank, slots per token)
@@ -100,7 +96,7 @@ def test_bad_kernel_arguments_name_the_tensor() -> None:
         lora_shrink(x, lora_a, torch.zeros(1, 4, 4), token_slots=slots.long())
     with pytest.raises(ValueError, match="not both"):
         lora_shrink(x, lora_a, torch.zeros(1, 4, 4), token_slots=slots, sorted_ids=slots,
-                    slot_start=slots[:3])
+                    tiles=slots[:3].view(3, 1))
     with pytest.raises(ValueError, match="slices int32"):
         lora_expand(torch.zeros(1, 4, 4), torch.zeros(2, 6, 4), torch.zeros(4, 6),
                     torch.zeros(2, 1, dtype=torch.int64), 6, token_slots=slots)
