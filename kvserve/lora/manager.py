@@ -31,8 +31,8 @@ import torch
 
 from kvserve.config import LoRAConfig
 from kvserve.host_copy import to_device
-from kvserve.layers.linear import ColumnLinear, Linear, RowLinear, ShardId
 from kvserve.kernels.lora import TILE_M
+from kvserve.layers.linear import ColumnLinear, Linear, RowLinear, ShardId
 from kvserve.lora.layers import LoRABatch, LoRALinear, LoRASlice
 from kvserve.lora.peft import (
     SUPPORTED_TARGET_MODULES,
