@@ -110,6 +110,13 @@ class LoRAManager:
         self._wrap_linears(model)
         # copies into a slot, and reads from disk (the first, and after a host eviction)
         self.num_slot_loads = self.num_disk_loads = 0
+        # CUDA: slots are loaded on a side stream; per slot, the end of the last
+        # step that read it; the slots of the step being prepared; the loads'
+        # end (the step waits for it)
+        self._load_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._last_use: dict[int, torch.cuda.Event] = {}
+        self._used_slots: set[int] = set()
+        self._loaded: torch.cuda.Event | None = None
         if use_kernels:
             max_slices = max(len(linear.slices) for _, linear in self.linears)
             self.batch.allocate(max_num_tokens, lora_config.max_loras, max_slices,
@@ -253,7 +260,12 @@ class LoRAManager:
         if len(step_ids) > self.config.max_loras:
             raise RuntimeError(f"a step uses {len(step_ids)} adapters but max_loras="
                                f"{self.config.max_loras}; the scheduler must cap them")
+        self._mark_last_use()
         slot_of = {lora_id: self._activate(lora_id, step_ids) for lora_id in step_ids}
+        self._used_slots = set(slot_of.values())
+        if self._loaded is not None:  # the step waits for its slots' copies, nothing else
+            torch.cuda.current_stream(self.device).wait_event(self._loaded)
+            self._loaded = None
         if self.batch.use_kernels:
             self._set_indices([slot_of.get(i, -1) for i in lora_int_ids], num_tokens,
                               num_padded_tokens)
@@ -308,8 +320,35 @@ class LoRAManager:
         else:
             victim = next(i for i in self.slots if i not in step_ids)
             slot = self.slots.pop(victim)
-        for (_, linear), packed in zip(self.linears, adapter.packed, strict=True):
-            linear.load_slot(slot, packed)
+        self._load_slot(slot, adapter)
         self.slots[lora_id] = slot
         self.num_slot_loads += 1
         return slot
+
+    def _mark_last_use(self) -> None:
+        """Record, on the compute stream, the end of the step queued last: the
+        point after which the slots it used may be overwritten."""
+        if self._load_stream is None or not self._used_slots:
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        for slot in self._used_slots:
+            self._last_use[slot] = event
+
+    def _load_slot(self, slot: int, adapter: HostAdapter) -> None:
+        """Copy an adapter into ``slot``. On CUDA the copies run on a side stream
+        once the last step that read the slot is done, so they overlap the
+        steps still running (the least recently used slot is taken, usually
+        one no queued step reads); the next step waits for them."""
+        if self._load_stream is None:
+            for (_, linear), packed in zip(self.linears, adapter.packed, strict=True):
+                linear.load_slot(slot, packed)
+            return
+        last_use = self._last_use.pop(slot, None)
+        if last_use is not None:
+            self._load_stream.wait_event(last_use)
+        with torch.cuda.stream(self._load_stream):
+            for (_, linear), packed in zip(self.linears, adapter.packed, strict=True):
+                linear.load_slot(slot, packed)
+            self._loaded = torch.cuda.Event()
+            self._loaded.record(self._load_stream)

@@ -175,3 +175,21 @@ def test_evicted_adapters_come_back_with_the_same_tokens(
         assert _run(tight, prompt, [lora]) == expected[lora.lora_int_id]
     manager = tight.engine.core.executor.lora_manager  # type: ignore[attr-defined]
     assert manager.num_disk_loads > len(adapters)
+
+
+def test_slots_swapped_while_steps_run_keep_every_token(
+        tiny_checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """Three adapters, two slots, async scheduling: slots are reloaded (on the
+    side stream) while earlier steps still run; each request keeps its solo
+    tokens."""
+    path = tiny_checkpoint("llama")
+    adapters = _adapters(path, tmp_path)
+    prompts = _prompts(12, seed=11)
+    loras: list[LoRARequest | None] = [[*adapters, None][i % 4] for i in range(len(prompts))]
+    llm = LLM(model=str(path), dtype="float32", device="cuda", enable_lora=True, max_loras=2,
+              max_num_seqs=8, max_num_batched_tokens=48, gpu_memory_utilization=0.3)
+    solo = [_run(llm, [prompt], [lora])[0] for prompt, lora in zip(prompts, loras, strict=True)]
+    manager = llm.engine.core.executor.lora_manager  # type: ignore[attr-defined]
+    loads = manager.num_slot_loads
+    assert _run(llm, prompts, loras) == solo
+    assert manager.num_slot_loads > loads + 1
