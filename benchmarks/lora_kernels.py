@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.bench.device_rates import graph_call_us
-from kvserve.kernels.lora import lora_expand, lora_shrink, num_tiles
+from kvserve.kernels.lora import SPLIT_K, lora_expand, lora_shrink, num_tiles
 from kvserve.lora.manager import write_segments
 
 SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o_proj": (4096, [4096]),
@@ -96,7 +96,7 @@ def main() -> None:
             a = torch.randn(len(sizes), args.num_loras, rank, k, device="cuda",
                             dtype=DTYPE) / k ** 0.5
             b = torch.randn(args.num_loras, n, rank, device="cuda", dtype=DTYPE) / rank ** 0.5
-            shrunk = torch.empty(len(sizes), max(TOKENS), rank, device="cuda")
+            shrunk = torch.empty(SPLIT_K, len(sizes), max(TOKENS), rank, device="cuda")
             for num_tokens in TOKENS:
                 x = torch.randn(num_tokens, k, device="cuda", dtype=DTYPE)
                 out = torch.randn(num_tokens, n, device="cuda", dtype=DTYPE)

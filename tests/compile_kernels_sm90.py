@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvserve.kernels.lora import lora_expand_kernel, lora_shrink_kernel
+from kvserve.kernels.lora import SPLIT_K, lora_expand_kernel, lora_shrink_kernel
 from kvserve.kernels.paged_attention import decode_attention_kernel
 from kvserve.kernels.quant_matmul_kernels import (
     quant_dequant_kernel,
@@ -94,11 +94,11 @@ def build_lora() -> None:
         block_r = max(16, rank) if segmented else min(4, rank)
         build(lora_shrink_kernel, pointers, dict(
             RANK=rank, BLOCK_M=16, BLOCK_R=block_r,
-            BLOCK_K=64 if segmented else 256, SEGMENTED=segmented), ())
+            BLOCK_K=128 if segmented else 256, SPLIT=SPLIT_K, SEGMENTED=segmented), ())
         pointers = indices | {"b_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "buf_ptr": "*fp32"}
         build(lora_expand_kernel, pointers, dict(
             RANK=rank, BLOCK_M=16, BLOCK_N=64 if segmented else 128,
-            BLOCK_R=max(16, rank), SEGMENTED=segmented), ())
+            BLOCK_R=max(16, rank), SPLIT=SPLIT_K, SEGMENTED=segmented), ())
 
 
 def main() -> None:

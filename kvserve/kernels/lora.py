@@ -8,9 +8,12 @@ Buffers (``kvserve/lora/layers.py`` owns them, these kernels only read them):
 - ``lora_b [max_loras, N, max_rank]``: slice ``s`` in rows
   ``slice_start[s] .. slice_start[s] + slice_size[s]``, the adapter's scaling
   already folded in;
-- ``buf [num_slices, max_tokens, max_rank]`` float32: the shrink's output,
-  the expand's input; rows of tokens without an adapter are never written
-  or read.
+- ``buf [SPLIT_K, num_slices, max_tokens, max_rank]`` float32: the
+  shrink's output, the expand's input. The shrink splits K over
+  ``SPLIT_K`` programs (a batch-1 decode step otherwise has a dozen
+  programs streaming A); the expand sums the partial products in a fixed
+  order, so the result does not depend on timing. Rows of tokens without
+  an adapter are never written or read.
 
 Which adapter a token uses comes from device tensors at fixed addresses, so
 a CUDA graph replays with whatever the runner wrote into them, and no grid
@@ -43,13 +46,14 @@ import triton
 import triton.language as tl
 
 TILE_M = 16  # tokens per tile of the segmented form (tl.dot's smallest M)
+SPLIT_K = 4  # programs sharing the K of one shrink product
 
 
 @triton.jit
 def lora_shrink_kernel(
     x_ptr,  # [num_tokens, K]
     a_ptr,  # [num_slices, max_loras, max_rank, K]
-    buf_ptr,  # [num_slices, max_tokens, max_rank] float32
+    buf_ptr,  # [SPLIT, num_slices, max_tokens, max_rank] float32
     token_slots_ptr,  # [num_tokens] int32, gathered form
     sorted_ids_ptr,  # [num_tokens] int32, segmented form
     tiles_ptr,  # [3, tile_stride] int32, segmented form
@@ -59,17 +63,24 @@ def lora_shrink_kernel(
     stride_as,
     stride_al,
     stride_ar,
+    stride_bp,
     stride_bs,
     stride_bm,
     RANK: tl.constexpr,  # max_rank
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     SEGMENTED: tl.constexpr,
 ):
-    """Gathered grid ``(num_tokens, num_slices, cdiv(RANK, BLOCK_R))``;
-    segmented grid ``(num_tiles, num_slices)``."""
+    """Gathered grid ``(num_tokens, num_slices, cdiv(RANK, BLOCK_R) * SPLIT)``;
+    segmented grid ``(num_tiles, num_slices, SPLIT)``."""
     s = tl.program_id(1)
+    part = tl.program_id(2) % SPLIT
+    k_chunk = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+    k_start = part * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, K)
+    buf_ptr += part * stride_bp + s * stride_bs
     ranks = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     if SEGMENTED:
@@ -83,37 +94,36 @@ def lora_shrink_kernel(
         rank_mask = ranks < RANK
         a_base = a_ptr + s * stride_as + slot.to(tl.int64) * stride_al
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
+        for k in range(k_start, k_end, BLOCK_K):
             cols = k + offs_k
             x = tl.load(x_ptr + tokens[:, None] * stride_xm + cols[None, :],
                         mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
             a = tl.load(a_base + ranks[None, :] * stride_ar + cols[:, None],
                         mask=rank_mask[None, :] & (cols[:, None] < K), other=0.0)
             acc += tl.dot(x, a, input_precision="ieee")  # [BLOCK_M, BLOCK_R]
-        tl.store(buf_ptr + s * stride_bs + tokens[:, None] * stride_bm + ranks[None, :], acc,
+        tl.store(buf_ptr + tokens[:, None] * stride_bm + ranks[None, :], acc,
                  mask=row_mask[:, None] & rank_mask[None, :])
     else:
         token = tl.program_id(0).to(tl.int64)
         slot = tl.load(token_slots_ptr + token)
         if slot < 0:
             return
-        ranks = tl.program_id(2) * BLOCK_R + ranks
+        ranks = (tl.program_id(2) // SPLIT) * BLOCK_R + ranks
         rank_mask = ranks < RANK
         a_base = a_ptr + s * stride_as + slot.to(tl.int64) * stride_al
         acc2 = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
+        for k in range(k_start, k_end, BLOCK_K):
             cols = k + offs_k
             x = tl.load(x_ptr + token * stride_xm + cols, mask=cols < K, other=0.0)
             a = tl.load(a_base + ranks[:, None] * stride_ar + cols[None, :],
                         mask=rank_mask[:, None] & (cols[None, :] < K), other=0.0)
             acc2 += a.to(tl.float32) * x.to(tl.float32)[None, :]
-        tl.store(buf_ptr + s * stride_bs + token * stride_bm + ranks, tl.sum(acc2, axis=1),
-                 mask=rank_mask)
+        tl.store(buf_ptr + token * stride_bm + ranks, tl.sum(acc2, axis=1), mask=rank_mask)
 
 
 @triton.jit
 def lora_expand_kernel(
-    buf_ptr,  # [num_slices, max_tokens, max_rank] float32
+    buf_ptr,  # [SPLIT, num_slices, max_tokens, max_rank] float32
     b_ptr,  # [max_loras, N, max_rank]
     out_ptr,  # [num_tokens, N], added to in place
     slices_ptr,  # [2, num_slices] int32: each slice's first row in N, and its rows
@@ -123,6 +133,7 @@ def lora_expand_kernel(
     tile_stride,
     num_n,  # cdiv(max slice rows, BLOCK_N)
     num_slices,
+    stride_bp,
     stride_bs,
     stride_bm,
     stride_wl,
@@ -132,6 +143,7 @@ def lora_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SPLIT: tl.constexpr,
     SEGMENTED: tl.constexpr,
 ):
     """Gathered grid ``(num_tokens, num_slices, cdiv(max slice rows, BLOCK_N))``;
@@ -141,6 +153,7 @@ def lora_expand_kernel(
     slice_size = tl.load(slices_ptr + num_slices + s)
     ranks = tl.arange(0, BLOCK_R)
     rank_mask = ranks < RANK
+    buf_ptr += s * stride_bs
     if SEGMENTED:
         tile = tl.program_id(0) // num_n
         n_tile = tl.program_id(0) % num_n
@@ -150,8 +163,11 @@ def lora_expand_kernel(
         rows = tl.load(tiles_ptr + tile) + tl.arange(0, BLOCK_M)
         row_mask = rows < tl.load(tiles_ptr + tile_stride + tile)
         tokens = tl.load(sorted_ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        shrunk = tl.load(buf_ptr + s * stride_bs + tokens[:, None] * stride_bm + ranks[None, :],
-                         mask=row_mask[:, None] & rank_mask[None, :], other=0.0)
+        shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for part in tl.static_range(SPLIT):  # the shrink's partial sums, in a fixed order
+            shrunk += tl.load(buf_ptr + part * stride_bp + tokens[:, None] * stride_bm
+                              + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :],
+                              other=0.0)
         cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < slice_size
         cols = slice_start + cols
@@ -170,8 +186,10 @@ def lora_expand_kernel(
         if tl.program_id(2) * BLOCK_N >= slice_size:
             return
         cols = slice_start + cols
-        shrunk = tl.load(buf_ptr + s * stride_bs + token * stride_bm + ranks, mask=rank_mask,
-                         other=0.0)
+        shrunk = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for part in tl.static_range(SPLIT):
+            shrunk += tl.load(buf_ptr + part * stride_bp + token * stride_bm + ranks,
+                              mask=rank_mask, other=0.0)
         b = tl.load(b_ptr + slot.to(tl.int64) * stride_wl + cols[:, None] * stride_wn
                     + ranks[None, :], mask=col_mask[:, None] & rank_mask[None, :], other=0.0)
         delta = tl.sum(b.to(tl.float32) * shrunk[None, :], axis=1)  # [BLOCK_N]
@@ -216,7 +234,7 @@ def _rank_block(rank: int) -> int:
 def lora_shrink(
     x: torch.Tensor,  # [num_tokens, K]
     lora_a: torch.Tensor,  # [num_slices, max_loras, max_rank, K]
-    buf: torch.Tensor,  # [>= num_slices, >= num_tokens, max_rank] float32
+    buf: torch.Tensor,  # [SPLIT_K, >= num_slices, >= num_tokens, max_rank] float32
     token_slots: torch.Tensor | None = None,  # [>= num_tokens] int32
     sorted_ids: torch.Tensor | None = None,  # [>= num_tokens] int32
     tiles: torch.Tensor | None = None,  # [3, >= num_tiles] int32
@@ -236,30 +254,31 @@ def lora_shrink(
     assert index is not None
     table = tiles if tiles is not None else index.view(1, -1)
     if segmented_tiles:
-        block_r, block_k = _rank_block(rank), 64
-        grid: tuple[int, ...] = (segmented_tiles, num_slices)
+        block_r, block_k = _rank_block(rank), 128
+        grid: tuple[int, ...] = (segmented_tiles, num_slices, SPLIT_K)
     else:
         block_r, block_k = min(4, triton.next_power_of_2(rank)), 256
-        grid = (num_tokens, num_slices, triton.cdiv(rank, block_r))
+        grid = (num_tokens, num_slices, triton.cdiv(rank, block_r) * SPLIT_K)
     lora_shrink_kernel[grid](
         x, lora_a, buf, index, index, table, table.stride(0),
         k, x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        buf.stride(0), buf.stride(1),
-        RANK=rank, BLOCK_M=TILE_M, BLOCK_R=block_r, BLOCK_K=block_k,
+        buf.stride(0), buf.stride(1), buf.stride(2),
+        RANK=rank, BLOCK_M=TILE_M, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=SPLIT_K,
         SEGMENTED=bool(segmented_tiles),
     )
 
 
 def _check_buf(name: str, buf: torch.Tensor, num_slices: int, num_tokens: int,
                rank: int) -> None:
-    if (buf.dtype != torch.float32 or buf.shape[0] < num_slices or buf.shape[2] != rank
-            or buf.shape[1] < num_tokens or buf.stride(2) != 1):
-        raise ValueError(f"{name}: buf float32 [>= {num_slices}, >= {num_tokens}, {rank}] "
-                         f"needed, got {buf.dtype} {tuple(buf.shape)}")
+    if (buf.dtype != torch.float32 or buf.dim() != 4 or buf.shape[0] != SPLIT_K
+            or buf.shape[1] < num_slices or buf.shape[3] != rank or buf.shape[2] < num_tokens
+            or buf.stride(3) != 1):
+        raise ValueError(f"{name}: buf float32 [{SPLIT_K}, >= {num_slices}, >= {num_tokens}, "
+                         f"{rank}] needed, got {buf.dtype} {tuple(buf.shape)}")
 
 
 def lora_expand(
-    buf: torch.Tensor,  # [>= num_slices, >= num_tokens, max_rank] float32
+    buf: torch.Tensor,  # [SPLIT_K, >= num_slices, >= num_tokens, max_rank] float32
     lora_b: torch.Tensor,  # [max_loras, N, max_rank]
     out: torch.Tensor,  # [num_tokens, N]
     slices: torch.Tensor,  # [2, num_slices] int32: (first row, rows) per slice
@@ -295,7 +314,7 @@ def lora_expand(
         grid = (num_tokens, num_slices, num_n)
     lora_expand_kernel[grid](
         buf, lora_b, out, slices, index, index, table, table.stride(0), num_n, num_slices,
-        buf.stride(0), buf.stride(1), lora_b.stride(0), lora_b.stride(1), out.stride(0),
-        RANK=rank, BLOCK_M=TILE_M, BLOCK_N=block_n, BLOCK_R=_rank_block(rank),
-        SEGMENTED=bool(segmented_tiles),
+        buf.stride(0), buf.stride(1), buf.stride(2), lora_b.stride(0), lora_b.stride(1),
+        out.stride(0), RANK=rank, BLOCK_M=TILE_M, BLOCK_N=block_n, BLOCK_R=_rank_block(rank),
+        SPLIT=SPLIT_K, SEGMENTED=bool(segmented_tiles),
     )

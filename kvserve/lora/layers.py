@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from kvserve.kernels.lora import lora_expand, lora_shrink, num_tiles
+from kvserve.kernels.lora import SPLIT_K, lora_expand, lora_shrink, num_tiles
 from kvserve.layers.linear import Linear
 
 # steps of at most this many tokens run the gathered form of the kernels, larger
@@ -55,7 +55,7 @@ class LoRABatch:
     ``token_slots [max_num_tokens]`` (-1: no adapter; padding tokens too),
     ``sorted_ids`` (the tokens with an adapter, grouped by slot) and
     ``tiles [3, max_tiles]`` (``kernels/lora.py``); its shrink writes
-    ``shrunk [max_slices, max_num_tokens, max_rank]`` float32.
+    ``shrunk [SPLIT_K, max_slices, max_num_tokens, max_rank]`` float32.
     """
 
     def __init__(self, use_kernels: bool = False) -> None:
@@ -68,7 +68,7 @@ class LoRABatch:
         self.packed = torch.zeros(0, dtype=torch.int32)
         self.token_slots = self.sorted_ids = self.packed
         self.tiles = self.packed.view(1, 0)
-        self.shrunk = torch.zeros(0, 0, 0)
+        self.shrunk = torch.zeros(0, 0, 0, 0)
 
     def allocate(self, max_num_tokens: int, max_loras: int, max_slices: int, max_rank: int,
                  device: torch.device) -> None:
@@ -79,8 +79,8 @@ class LoRABatch:
         self.token_slots = self.packed[:max_num_tokens]
         self.sorted_ids = self.packed[max_num_tokens:2 * max_num_tokens]
         self.tiles = self.packed[2 * max_num_tokens:].view(3, max_tiles)
-        self.shrunk = torch.zeros(max_slices, max_num_tokens, max_rank, dtype=torch.float32,
-                                  device=device)
+        self.shrunk = torch.zeros(SPLIT_K, max_slices, max_num_tokens, max_rank,
+                                  dtype=torch.float32, device=device)
 
     def indices(self, num_tokens: int) -> dict[str, torch.Tensor]:
         """The index tensors of a ``num_tokens`` step's form, as the kernels take them."""

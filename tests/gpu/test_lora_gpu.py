@@ -50,7 +50,7 @@ def _indices(slots: np.ndarray, max_loras: int, form: str) -> dict[str, torch.Te
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
 def test_kernels_equal_the_reference_over_a_grid(shape: int, rank: int, dtype: torch.dtype,
                                                  form: str) -> None:
-    from kvserve.kernels.lora import lora_expand, lora_shrink
+    from kvserve.kernels.lora import SPLIT_K, lora_expand, lora_shrink
 
     k, sizes = SHAPES[shape]
     n, max_loras = sum(sizes), 8
@@ -61,7 +61,7 @@ def test_kernels_equal_the_reference_over_a_grid(shape: int, rank: int, dtype: t
               / rank ** 0.5).to(dtype)
     slices = torch.tensor([np.cumsum([0, *sizes])[:-1].tolist(), sizes], dtype=torch.int32,
                           device="cuda")
-    shrunk = torch.empty(3, 1100, rank, device="cuda")
+    shrunk = torch.empty(SPLIT_K, 3, 1100, rank, device="cuda")
     rng = np.random.default_rng(rank)
     for num_tokens in (1, 5, 64, 257, 1024):
         x = torch.randn(num_tokens, k, device="cuda", generator=generator).to(dtype)

@@ -23,7 +23,7 @@ require_interpreter("tests/gpu/test_lora_kernels_gpu.py")
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.config import LoRAConfig  # noqa: E402
-from kvserve.kernels.lora import lora_expand, lora_shrink, num_tiles  # noqa: E402
+from kvserve.kernels.lora import SPLIT_K, lora_expand, lora_shrink, num_tiles  # noqa: E402
 from kvserve.lora import LoRARequest  # noqa: E402
 from kvserve.lora.manager import LoRAManager, write_segments  # noqa: E402
 from kvserve.models.loader import load_model  # noqa: E402
@@ -76,7 +76,7 @@ def test_shrink_expand_equal_the_per_token_reference(form: str, case: int) -> No
     indices = (segmented_indices(slots, max_loras) if form == "segmented"
                else {"token_slots": torch.tensor(slots, dtype=torch.int32)})
     # the buffers are larger than the step, as the runner's are
-    shrunk = torch.full((3, num_tokens + 5, rank), float("nan"))
+    shrunk = torch.full((SPLIT_K, 3, num_tokens + 5, rank), float("nan"))
     out = base.clone()
     slices = torch.tensor([np.cumsum([0, *sizes])[:-1].tolist(), sizes], dtype=torch.int32)
     lora_shrink(x, lora_a, shrunk, **indices)
@@ -90,15 +90,20 @@ def test_shrink_expand_equal_the_per_token_reference(form: str, case: int) -> No
 def test_bad_kernel_arguments_name_the_tensor() -> None:
     x, lora_a = torch.zeros(4, 8), torch.zeros(1, 2, 4, 8)
     slots = torch.zeros(4, dtype=torch.int32)
+    buf = torch.zeros(SPLIT_K, 1, 4, 4)
     with pytest.raises(ValueError, match="buf float32"):
-        lora_shrink(x, lora_a, torch.zeros(1, 4, 4, dtype=torch.float16), token_slots=slots)
+        lora_shrink(x, lora_a, buf.half(), token_slots=slots)
+    with pytest.raises(ValueError, match="buf float32"):
+        lora_shrink(x, lora_a, buf[0], token_slots=slots)
     with pytest.raises(ValueError, match="token_slots: int32"):
-        lora_shrink(x, lora_a, torch.zeros(1, 4, 4), token_slots=slots.long())
+        lora_shrink(x, lora_a, buf, token_slots=slots.long())
     with pytest.raises(ValueError, match="not both"):
-        lora_shrink(x, lora_a, torch.zeros(1, 4, 4), token_slots=slots, sorted_ids=slots,
+        lora_shrink(x, lora_a, buf, token_slots=slots, sorted_ids=slots,
                     tiles=slots[:3].view(3, 1))
+    with pytest.raises(ValueError, match=r"tiles: int32 \[3, >= 3\]"):
+        lora_shrink(x, lora_a, buf, sorted_ids=slots, tiles=slots[:3].view(3, 1))
     with pytest.raises(ValueError, match="slices int32"):
-        lora_expand(torch.zeros(1, 4, 4), torch.zeros(2, 6, 4), torch.zeros(4, 6),
+        lora_expand(buf, torch.zeros(2, 6, 4), torch.zeros(4, 6),
                     torch.zeros(2, 1, dtype=torch.int64), 6, token_slots=slots)
 
 
