@@ -238,16 +238,26 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Multi-LoRA serving: adapters resident on the device at once, and their largest rank."""
+    """Multi-LoRA serving: adapters resident on the device at once, adapters kept
+    in host memory (None: ``max_loras``), and their largest rank."""
 
     max_loras: int = 4
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
             raise ValueError(f"max_loras={self.max_loras} must be >= 1")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank={self.max_lora_rank} must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras="
+                             f"{self.max_loras} (or None: max_loras)")
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters kept in host memory."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
 ALL_REDUCE_BACKENDS = ("nccl", "one-shot")

@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvserve.kernels.fp8_quant import per_token_quant_fp8_kernel
+from kvserve.kernels.lora import SPLIT_K, lora_expand_kernel, lora_shrink_kernel
 from kvserve.kernels.paged_attention import decode_attention_kernel, prefill_attention_kernel
 from kvserve.kernels.quant_matmul_kernels import (
     quant_dequant_kernel,
@@ -125,6 +126,23 @@ def build_kv_cache_dtypes() -> None:
                                               KV_QUANT=mode), ())
 
 
+def build_lora() -> None:
+    """The batched LoRA shrink and expand, gathered and segmented, bf16 and
+    float32 models, ranks 8 (padded to the 16 of a dot tile) and 64."""
+    indices = {name: "*i32" for name in ("token_slots_ptr", "sorted_ids_ptr", "tiles_ptr",
+                                          "slices_ptr")}
+    for dtype, rank, segmented in itertools.product(("bf16", "fp32"), (8, 64), (False, True)):
+        pointers = indices | {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "buf_ptr": "*fp32"}
+        block_r = max(16, rank) if segmented else min(4, rank)
+        build(lora_shrink_kernel, pointers, dict(
+            RANK=rank, BLOCK_M=16, BLOCK_R=block_r,
+            BLOCK_K=128 if segmented else 256, SPLIT=SPLIT_K, SEGMENTED=segmented), ())
+        pointers = indices | {"b_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "buf_ptr": "*fp32"}
+        build(lora_expand_kernel, pointers, dict(
+            RANK=rank, BLOCK_M=16, BLOCK_N=64 if segmented else 128,
+            BLOCK_R=max(16, rank), SPLIT=SPLIT_K, SEGMENTED=segmented), ())
+
+
 def main() -> None:
     bf16 = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr")}
     for pdl, preload, (block_m, use_dot, gated), even_k in itertools.product(
@@ -171,6 +189,7 @@ def main() -> None:
                                            "scale_ptr": "*fp32"},
               dict(BLOCK=block, ONE_PASS=one_pass), (), num_warps=8)
     build_quant_matmul()
+    build_lora()
     print("compiled for sm_90")
 
 

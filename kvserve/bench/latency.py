@@ -19,7 +19,8 @@ measured first in the same process and over the card's spec-sheet bandwidth
 when ``kvserve/plan/gpus.py`` knows the card; prefill MFU = 2 x parameters x
 batch x input / mean TTFT over the measured matmul rate (in the engine's
 dtype). W6 is ``--input-len 2048 --output-len 1`` (TTFT only: no TPOT,
-decode rate or MBU).
+decode rate or MBU). ``--num-loras N --lora-rank R`` runs request ``i`` of
+each batch with the ``i % N``-th of N random adapters (``bench/lora.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import statistics
 import time
 from typing import Any
 
+from kvserve.bench import lora
 from kvserve.bench.offline import (
     OfflineBench,
     check_fits,
@@ -40,6 +42,7 @@ from kvserve.bench.report import latency_stats_ms, print_table, write_json
 from kvserve.bench.workloads import w1
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import EngineArgs
+from kvserve.lora.request import LoRARequest
 
 PERCENTILES = [50.0, 90.0, 99.0]
 
@@ -56,6 +59,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="iterations run first and not measured")
     group.add_argument("--output-json", default=None, help="write every figure here")
     group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    lora.add_cli_args(parser)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -66,13 +70,16 @@ def _check_args(args: argparse.Namespace) -> None:
                              ("--num-iters-warmup", args.num_iters_warmup, 0)):
         if value < low:
             raise ValueError(f"{flag}={value} is invalid: must be >= {low}")
+    lora.check_args(args)
 
 
-def _iteration(bench: OfflineBench, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+def _iteration(bench: OfflineBench, args: argparse.Namespace, seed: int,
+               loras: list[LoRARequest]) -> dict[str, Any]:
     requests = w1(bench.vocab_size, args.input_len, args.output_len, args.batch_size, seed)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     start_s = time.perf_counter()
-    outputs = bench.llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    outputs = bench.llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False,
+                                 lora_request=lora.round_robin(loras, len(requests)))
     e2e_s = time.perf_counter() - start_s
     tpots = [o.tpot_s for o in outputs if o.tpot_s is not None]
     return {"ttft_s": max(o.metrics.ttft_s or 0.0 for o in outputs),
@@ -156,14 +163,18 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size > config.scheduler_config.max_num_seqs:
         raise ValueError(f"--batch-size={args.batch_size} is invalid: more than "
                          f"--max-num-seqs={config.scheduler_config.max_num_seqs}")
-    bench = start(engine_args, config)
     iterations = []
     total = args.num_iters_warmup + args.num_iters
-    for i in tqdm(range(total), desc="iterations", disable=args.disable_tqdm):
-        iteration = _iteration(bench, args, seed=i)
-        if i >= args.num_iters_warmup:
-            iterations.append(iteration)
-    result = bench.result("latency", summarize(bench, args, iterations))
+    with lora.random_adapters(args, config.model_config) as loras:
+        bench = start(engine_args, config)
+        for adapter in loras:  # read before the clock starts
+            bench.llm.engine.add_lora(adapter)
+        for i in tqdm(range(total), desc="iterations", disable=args.disable_tqdm):
+            iteration = _iteration(bench, args, seed=i, loras=loras)
+            if i >= args.num_iters_warmup:
+                iterations.append(iteration)
+    result = bench.result("latency", {**lora.describe(args),
+                                      **summarize(bench, args, iterations)})
     print_result(result)
     write_json(args.output_json, result)
     return 0

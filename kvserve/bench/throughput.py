@@ -8,7 +8,9 @@ scaled-down run. Every request goes to one ``LLM.generate`` call (greedy,
 ``ignore_eos``) after one short warm-up request; reported: requests/s,
 output tok/s, total (prompt + output) tok/s, elapsed seconds, and the compute
 roofline share = total tok/s x 2 x parameters over the matmul rate measured
-first in the same process (in the engine's dtype).
+first in the same process (in the engine's dtype). ``--num-loras N
+--lora-rank R`` runs the requests with N random adapters, round-robin
+(``bench/lora.py``).
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import argparse
 import time
 from typing import Any
 
+from kvserve.bench import lora
 from kvserve.bench.offline import OfflineBench, check_fits, resolve_engine, start
 from kvserve.bench.report import print_table, write_json
 from kvserve.bench.workloads import THROUGHPUT_WORKLOADS, BenchRequest, cap_lengths, w1
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import EngineArgs
+from kvserve.lora.request import LoRARequest
 
 WARMUP_SEED = -1  # a prompt no workload request shares
 
@@ -39,6 +43,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-output-len", type=int, default=None, help="cut outputs to this")
     group.add_argument("--output-json", default=None, help="write every figure here")
     group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    lora.add_cli_args(parser)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -47,20 +52,28 @@ def _check_args(args: argparse.Namespace) -> None:
                         ("--max-output-len", args.max_output_len)):
         if value is not None and value < 1:
             raise ValueError(f"{flag}={value} is invalid: must be >= 1")
+    lora.check_args(args)
 
 
 def _params(request: BenchRequest) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
 
 
-def measure(bench: OfflineBench, requests: list[BenchRequest], use_tqdm: bool) -> dict[str, Any]:
-    """Run every request in one ``generate`` call; the figures of that run."""
+def measure(bench: OfflineBench, requests: list[BenchRequest], use_tqdm: bool,
+            loras: list[LoRARequest] | None = None) -> dict[str, Any]:
+    """Run every request in one ``generate`` call (request ``i`` with adapter
+    ``loras[i % len(loras)]``, adapters read before the clock starts); the
+    figures of that run."""
     [warmup] = w1(bench.vocab_size, input_len=16, output_len=4, seed=WARMUP_SEED)
-    bench.llm.generate([warmup.prompt_token_ids], _params(warmup), use_tqdm=False)
+    bench.llm.generate([warmup.prompt_token_ids], _params(warmup), use_tqdm=False,
+                       lora_request=loras[0] if loras else None)
+    for adapter in loras or ():
+        bench.llm.engine.add_lora(adapter)
     prompts = [r.prompt_token_ids for r in requests]
     params = [_params(r) for r in requests]
     start_s = time.perf_counter()
-    outputs = bench.llm.generate(prompts, params, use_tqdm=use_tqdm)
+    outputs = bench.llm.generate(prompts, params, use_tqdm=use_tqdm,
+                                 lora_request=lora.round_robin(loras or [], len(prompts)))
     elapsed_s = time.perf_counter() - start_s
     num_input = sum(len(p) for p in prompts)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -80,6 +93,8 @@ def print_result(result: dict[str, Any]) -> None:
         ("workload", f"{result['workload']}: {result['num_requests']} requests, "
                      f"{result['total_input_tokens']:,} prompt + "
                      f"{result['total_output_tokens']:,} output tokens"),
+        ("LoRA", f"{result['num_loras']} adapters of rank {result['lora_rank']}, round-robin"
+         if result["num_loras"] else "none"),
         ("elapsed", f"{result['elapsed_s']:.2f} s"),
         ("requests/s", f"{result['requests_per_s']:.2f}"),
         ("output tok/s", f"{result['output_tok_s']:,.1f}"),
@@ -98,11 +113,13 @@ def run(args: argparse.Namespace) -> int:
                            args.max_input_len, args.max_output_len)
     check_fits(config, max(len(r.prompt_token_ids) + r.output_len for r in requests),
                f"the longest {args.workload} request (--max-input-len / --max-output-len cut it)")
-    bench = start(engine_args, config)
-    figures = measure(bench, requests, use_tqdm=not args.disable_tqdm)
+    with lora.random_adapters(args, config.model_config) as loras:
+        bench = start(engine_args, config)
+        figures = measure(bench, requests, use_tqdm=not args.disable_tqdm, loras=loras)
     result = bench.result("throughput", {
         "workload": args.workload, "num_prompts": args.num_prompts,
-        "max_input_len": args.max_input_len, "max_output_len": args.max_output_len, **figures})
+        "max_input_len": args.max_input_len, "max_output_len": args.max_output_len,
+        **lora.describe(args), **figures})
     print_result(result)
     write_json(args.output_json, result)
     return 0

@@ -107,6 +107,7 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"
@@ -208,7 +209,8 @@ class EngineArgs:
                                                           parallel_config.world_size),
                 pipeline_parallel_size=parallel_config.pipeline_parallel_size,
             ),
-            lora_config=(LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+            lora_config=(LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                                    max_cpu_loras=self.max_cpu_loras)
                          if self.enable_lora else None),
             parallel_config=parallel_config,
             model_path=str(path) if path is not None else None,
@@ -327,6 +329,9 @@ class EngineArgs:
                            help="adapters resident on the device at once")
         group.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank,
                            help="the largest adapter rank accepted (default: %(default)s)")
+        group.add_argument("--max-cpu-loras", type=int, default=None,
+                           help="adapters kept in host memory, read again from their "
+                                "directory when dropped (default: --max-loras)")
         group.add_argument("--block-size", type=int, default=defaults.block_size,
                            help="tokens per KV-cache block, a power of two "
                                 "(default: %(default)s)")

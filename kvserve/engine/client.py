@@ -20,21 +20,24 @@ watches its own steps and exits, which the loop sees).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core_client import EngineDeadError
 from kvserve.engine.input_processor import EngineRequest, InputProcessor
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
+from kvserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 __all__ = ["EngineClient", "EngineDeadError", "EngineHealth", "ThreadedEngineClient"]
@@ -62,6 +65,14 @@ class EngineClient(Protocol):
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter between two steps; ValueError naming the problem."""
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter between two steps (False if it was never added);
+        ValueError while requests use it."""
+        ...
 
     def health(self) -> EngineHealth: ...
 
@@ -141,6 +152,20 @@ class ThreadedEngineClient:
     def _put(self, command: tuple[str, Any]) -> None:
         self._commands.put(command)
         self.engine.core.wake()  # a core process's step may be waiting for outputs
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        await self._call(lambda: self.engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._call(lambda: self.engine.remove_lora(lora_int_id))
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on the engine's own thread between two steps; its
+        exception is raised here."""
+        self._raise_if_dead()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._put(("call", (fn, future)))
+        return await future
 
     def health(self) -> EngineHealth:
         return EngineHealth(
@@ -232,6 +257,13 @@ class ThreadedEngineClient:
                 self.engine.add_engine_request(payload)
             except ValueError as exc:
                 self._deliver(request_id, exc)
+        elif kind == "call":
+            fn, future = payload
+            try:
+                settle = functools.partial(_resolve, future, fn(), None)
+            except Exception as exc:  # handed to the caller
+                settle = functools.partial(_resolve, future, None, exc)
+            future.get_loop().call_soon_threadsafe(settle)
         elif kind == "abort":
             output = self.engine.abort_request(payload)
             if output is not None:
@@ -246,3 +278,13 @@ class ThreadedEngineClient:
             loop.call_soon_threadsafe(target.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed
             self._sinks.pop(request_id, None)
+
+
+def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """Settle ``future`` on its loop, unless its caller left meanwhile."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -77,6 +77,8 @@ class CoreClient(Protocol):
 
     def add_lora(self, lora_request: LoRARequest) -> None: ...
 
+    def remove_lora(self, lora_int_id: int) -> bool: ...
+
     def get_request(self, request_id: str) -> Request | None: ...
 
     def check_alive(self) -> None:
@@ -136,6 +138,9 @@ class InprocCoreClient:
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.core.remove_lora(lora_int_id)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.core.get_request(request_id)

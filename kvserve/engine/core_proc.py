@@ -36,6 +36,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -339,8 +340,16 @@ class MPCoreClient:
         self._send(STOP, "", _encoder.encode(request_ids))
 
     def add_lora(self, lora_request: LoRARequest) -> None:
-        raise ValueError(f"lora_request: adapter '{lora_request.lora_name}' must be given when "
-                         "the engine core process starts (or with a request)")
+        """Check the adapter's config here; the core loads its tensors with
+        the first request that names it (a request it cannot load fails alone)."""
+        from kvserve.lora.peft import read_adapter_config
+
+        assert self.config.lora_config is not None, "the processor checks LoRA is enabled"
+        read_adapter_config(Path(lora_request.lora_path), self.config.lora_config.max_lora_rank)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        raise ValueError(f"lora_int_id={lora_int_id}: adapters cannot be removed from an "
+                         "engine core process (start the server with --engine-core inproc)")
 
     def get_request(self, request_id: str) -> Request | None:
         return None  # its state lives in the core process

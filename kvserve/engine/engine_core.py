@@ -53,6 +53,8 @@ class Executor(Protocol):
 
     def add_lora(self, lora_request: LoRARequest) -> None: ...
 
+    def remove_lora(self, lora_int_id: int) -> bool: ...
+
     def shutdown(self, kill: bool = False) -> None:
         """Stop whatever the executor started (worker processes; ``kill``: at
         once, without waiting for them); idempotent."""
@@ -109,6 +111,16 @@ class EngineCore:
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check an adapter in the executor (once per ``lora_int_id``)."""
         self.executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter in the executor (False: unknown); ValueError while an
+        unfinished request uses it."""
+        num_using = sum(r.lora_int_id == lora_int_id
+                        for r in (*self.scheduler.running, *self.scheduler.waiting))
+        if num_using:
+            raise ValueError(f"lora_int_id={lora_int_id}: {num_using} unfinished requests use "
+                             "this adapter; unload it once they finish")
+        return self.executor.remove_lora(lora_int_id)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """End requests now; returns their final outputs (finish_reason "abort")."""

@@ -100,6 +100,10 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._core_to_sample: dict[str, tuple[_Tracked, _Sample]] = {}
         self._next_id = 0
+        # adapters removed: their ids stay theirs (KV blocks cached under an id
+        # may outlive the adapter, so another adapter must not take the id)
+        self._removed_loras: dict[int, LoRARequest] = {}
+        self._loras: dict[int, LoRARequest] = {}  # adapters added and not removed
         self.step_s = 0.0  # wall time spent in step()
 
     @classmethod
@@ -131,7 +135,26 @@ class LLMEngine:
         ``lora_int_id`` already used by another adapter.
         """
         self.processor.check_lora(lora_request)
+        removed = self._removed_loras.get(lora_request.lora_int_id)
+        if removed is not None and removed != lora_request:
+            raise ValueError(
+                f"lora_request: lora_int_id={lora_request.lora_int_id} belonged to the removed "
+                f"adapter '{removed.lora_name}' ({removed.lora_path}), whose KV may still be "
+                "cached; give this adapter a new id"
+            )
         self.core.add_lora(lora_request)
+        self._loras[lora_request.lora_int_id] = lora_request
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter, its host copy and its device slot; False if it was
+        never added. ValueError while unfinished requests use it."""
+        if self.config.lora_config is None:
+            raise ValueError("LoRA is not enabled; create the engine with enable_lora=True "
+                             "(--enable-lora)")
+        if not self.core.remove_lora(lora_int_id):
+            return False
+        self._removed_loras[lora_int_id] = self._loras.pop(lora_int_id)
+        return True
 
     def add_request(
         self,

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve import __version__
+from kvserve.server.lora_routes import add_lora_routes
 from kvserve.server.metrics import CONTENT_TYPE
 from kvserve.server.openapi import openapi_document
 from kvserve.server.protocol import (
@@ -175,6 +176,8 @@ def build_app(state: ServerState) -> FastAPI:
                                  if c["id"] == model_id))
 
     _add_tokenizer_routes(app, state, serving)
+    if state.config.allow_runtime_lora_updating:
+        add_lora_routes(app, state)
     return app
 
 

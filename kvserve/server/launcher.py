@@ -71,6 +71,9 @@ def add_serve_parser(sub: Any) -> None:
                        metavar="NAME=PATH",
                        help="PEFT LoRA adapters to serve (needs --enable-lora); a request "
                             "selects one by sending its NAME as 'model'")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                            "(needs --enable-lora; behind the API key)")
     group.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                        help="sequences allowed to wait beyond --max-num-seqs; above it, 503")
     group.add_argument("--max-request-body-bytes", type=int,
@@ -155,6 +158,8 @@ def parse_lora_modules(args: argparse.Namespace, served_names: list[str]) -> lis
     specs: list[str] = args.lora_modules or []
     if specs and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if args.allow_runtime_lora_updating and not args.enable_lora:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
     taken = set(served_names)
     requests: list[LoRARequest] = []
     for spec in specs:
@@ -209,6 +214,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         max_n=args.max_n, health_stall_s=args.health_stall_s,
         shutdown_timeout_s=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
 
     core_process = (args.engine_core == "process"

@@ -10,7 +10,8 @@ Three sources feed one registry (per server, so tests can build many):
 - per-request timings and counts, observed by the HTTP layer as outputs
   arrive (``RequestTimer``): TTFT, inter-token latency, end-to-end latency,
   queue time, prompt and generation tokens, finished requests by reason,
-  admission rejections by reason;
+  admission rejections by reason; per LoRA adapter (label ``lora_name``)
+  finished requests, prompt and generated tokens;
 - the process and the interpreter, by prometheus_client's standard
   collectors (``process_*``: CPU seconds, resident memory, open files;
   ``python_*``: version, garbage collections), without the prefix.
@@ -130,6 +131,14 @@ class ServerMetrics:
             ("finished_reason",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.lora_requests = counter(
+            "lora_requests", "Finished completions (one per choice) per LoRA adapter.",
+            ("lora_name",))
+        self.lora_prompt_tokens = counter(
+            "lora_prompt_tokens", "Prompt tokens of finished requests per LoRA adapter.",
+            ("lora_name",))
+        self.lora_generation_tokens = counter(
+            "lora_generation_tokens", "Generated tokens per LoRA adapter.", ("lora_name",))
         self.admission_rejections = counter(
             "admission_rejections", "Requests refused with 503 before admission, by reason.",
             ("reason",))
@@ -157,16 +166,18 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def timer(self, num_choices: int) -> RequestTimer:
-        return RequestTimer(self, num_choices)
+    def timer(self, num_choices: int, lora_name: str | None = None) -> RequestTimer:
+        return RequestTimer(self, num_choices, lora_name)
 
 
 class RequestTimer:
     """Observes one HTTP request (possibly several prompts) as its outputs arrive."""
 
-    def __init__(self, metrics: ServerMetrics, num_choices: int) -> None:
+    def __init__(self, metrics: ServerMetrics, num_choices: int,
+                 lora_name: str | None = None) -> None:
         self.metrics = metrics
         self.name = metrics.model_name
+        self.lora_name = lora_name  # the adapter the request runs with, if any
         self.start_s = time.monotonic()
         self.num_choices = num_choices
         self._num_counted = 0
@@ -178,6 +189,9 @@ class RequestTimer:
         num_new = sum(len(c.delta_token_ids) for c in output.outputs)
         if num_new:
             self.metrics.generation_tokens.labels(self.name).inc(num_new)
+            if self.lora_name is not None:
+                self.metrics.lora_generation_tokens.labels(self.name, self.lora_name).inc(
+                    num_new)
             last_s = self._last_s.get(output.request_id)
             if last_s is None:
                 self.metrics.ttft.labels(self.name).observe(now - self.start_s)
@@ -193,6 +207,9 @@ class RequestTimer:
         if queue_s is not None:
             self.metrics.queue_time.labels(self.name).observe(max(queue_s, 0.0))
         self.metrics.prompt_tokens.labels(self.name).inc(len(output.prompt_token_ids))
+        if self.lora_name is not None:
+            self.metrics.lora_prompt_tokens.labels(self.name, self.lora_name).inc(
+                len(output.prompt_token_ids))
         for completion in output.outputs:
             self._count(completion.finish_reason or "abort", 1)
 
@@ -200,6 +217,8 @@ class RequestTimer:
         num = min(num, self.num_choices - self._num_counted)
         if num > 0:
             self.metrics.request_success.labels(self.name, reason).inc(num)
+            if self.lora_name is not None:
+                self.metrics.lora_requests.labels(self.name, self.lora_name).inc(num)
             self._num_counted += num
 
     def close(self, reason: str | None) -> None:

@@ -609,10 +609,12 @@ class OpenAIServing:
         if structured is not None:
             base.structured_output = structured[0]
         prefix = "chatcmpl" if chat else "cmpl"
+        lora = self.state.config.lora_request(model)
         return Job(chat=chat, request_id=f"{prefix}-{uuid.uuid4().hex}", model=model,
                    prompts=prompts, params=base, n=body.n, body=body,
-                   timer=self.state.metrics.timer(len(prompts) * body.n),
-                   top_logprobs=top_logprobs, lora_request=self.state.config.lora_request(model),
+                   timer=self.state.metrics.timer(len(prompts) * body.n,
+                                                  lora.lora_name if lora else None),
+                   top_logprobs=top_logprobs, lora_request=lora,
                    structured_param=structured[1] if structured is not None else None)
 
     def _tool_calling(self, body: ChatCompletionRequest, job: Job) -> None:

@@ -73,6 +73,8 @@ class ServerConfig:
     lora_requests: list[LoRARequest] = field(default_factory=list)
     # the tool-call format "auto" tool_choice parses (--tool-call-parser); None: refused
     tool_call_parser: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora-updating)
+    allow_runtime_lora_updating: bool = False
 
     @property
     def model_name(self) -> str:
@@ -127,6 +129,9 @@ class ServerState:
         self.loader = loader
         self.client = client
         self.metrics = ServerMetrics(config.model_name, self._stats)
+        # the id the next adapter loaded at run time gets (ids are never reused)
+        self.next_lora_int_id = max((lora.lora_int_id for lora in config.lora_requests),
+                                    default=0) + 1
         self.admission = Admission(config.max_num_seqs + config.max_queued_requests)
         self.draining = False
         self.failed = False

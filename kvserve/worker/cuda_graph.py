@@ -24,7 +24,12 @@ take about as much memory as the largest.
   only. They return hidden states; the runner computes logits for the
   sampled rows alone, as in an eager step.
 
-Only the base model is captured: a step with a LoRA adapter runs eagerly.
+With LoRA (the batched kernels of ``kernels/lora.py``) every graph runs
+each wrapped linear's shrink and expand, which read the step's
+token-to-slot tensors from ``LoRABatch``'s fixed buffers (the gathered
+form up to ``GATHER_MAX_TOKENS`` tokens, the segmented one above). So
+steps with adapters, any mix of them and none, replay graphs too; a step
+without adapters pays the launches of programs that return at once.
 
 With tensor parallelism the graphs capture the TP collectives (NCCL, or
 the one-shot all-reduce): every size is first run on a side stream, so
@@ -47,6 +52,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.lora.layers import LoRABatch
 from kvserve.models.registry import CausalLM
 from kvserve.worker.input_batch import StepBuffers
 
@@ -67,8 +73,12 @@ class CudaGraphs:
         token_sizes: tuple[int, ...], max_model_len: int,
         argmax: Callable[[torch.Tensor], torch.Tensor] | None,
         intermediate: torch.Tensor | None = None, collectives: bool = False,
+        lora_batch: LoRABatch | None = None,
     ) -> None:
         self.model = model
+        # the LoRA kernels' step state, when the model's linears run them
+        self.lora_batch = lora_batch if lora_batch is not None and lora_batch.use_kernels \
+            else None
         # the forward runs TP collectives: capture in thread-local mode, so that
         # NCCL's watchdog thread querying its events cannot invalidate a capture
         self.capture_mode = "thread_local" if collectives else "global"
@@ -163,6 +173,7 @@ class CudaGraphs:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
+        self._set_lora_active(True)
         for size in reversed(self.token_sizes):
             self.token_graphs[size], self.hidden[size] = _capture(self._token_forward, size, pool,
                                                                   self.capture_mode)
@@ -171,6 +182,7 @@ class CudaGraphs:
                                                            pool, self.capture_mode)
             self.decode_graphs[size], self.logits[size] = graph, (logits, greedy_ids)
             self.decode_hidden[size] = hidden
+        self._set_lora_active(False)
         torch.cuda.synchronize()
         self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(
@@ -178,6 +190,12 @@ class CudaGraphs:
             len(self.decode_sizes), _span(self.decode_sizes), len(self.token_sizes),
             _span(self.token_sizes), time.perf_counter() - start, self.pool_bytes / 1e9,
         )
+
+    def _set_lora_active(self, active: bool) -> None:
+        """Capture the LoRA kernels (their indices hold -1 meanwhile: no token
+        has an adapter, so capturing writes nothing)."""
+        if self.lora_batch is not None:
+            self.lora_batch.active = active
 
     def replay_decode(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the decode graph of ``size`` on the buffers' contents; its logits

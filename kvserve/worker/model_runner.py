@@ -238,9 +238,6 @@ class ModelRunner:
         self.parallel = parallel or ParallelState.single()
         # a pipeline stage before the last hands its hidden states on and samples nothing
         self.samples = self.parallel.layout.is_last_stage
-        # wraps the LoRA-capable linears before any graph is captured
-        self.lora_manager = (LoRAManager(model, lora_config, device)
-                             if lora_config is not None else None)
         use_graphs = (device.type == "cuda" and bool(cuda_graph_sizes)
                       and self.backend.supports_cuda_graphs)
         self.cuda_graph_sizes = cuda_graph_sizes if use_graphs else ()
@@ -253,6 +250,11 @@ class ModelRunner:
                              max(self.cuda_graph_sizes, default=0),
                              max(self.cuda_graph_token_sizes, default=0))
         self.buffers = StepBuffers(max_num_tokens, max_num_reqs, max_blocks_per_req, device)
+        # wraps the LoRA-capable linears before any graph is captured; the batched
+        # kernels go with the Triton ops, the torch path stays the reference
+        self.lora_manager = (LoRAManager(model, lora_config, device, max_num_tokens,
+                                         use_kernels=use_triton)
+                             if lora_config is not None else None)
         # [max_num_tokens, 2, hidden_size]: a later pipeline stage's input, received
         # from the previous stage (a fixed buffer, so CUDA graphs can read it)
         self.intermediate: torch.Tensor | None = None
@@ -358,13 +360,19 @@ class ModelRunner:
             )
         self.lora_manager.add_lora(lora_request)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (False: unknown); no unfinished request may use it."""
+        return self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
+
     def capture_cuda_graphs(self) -> None:
         if not self.cuda_graph_sizes and not self.cuda_graph_token_sizes:
             return
         self.graphs = CudaGraphs(self.model, self.buffers, self.cuda_graph_sizes,
                                  self.cuda_graph_token_sizes, self.scheduler_config.max_model_len,
                                  self.sampler.argmax if self.samples else None,
-                                 self.intermediate, collectives=self.parallel.tp.size > 1)
+                                 self.intermediate, collectives=self.parallel.tp.size > 1,
+                                 lora_batch=(self.lora_manager.batch
+                                             if self.lora_manager is not None else None))
         self.graphs.capture()
         if self.spec is not None:
             self.spec.capture_graphs()
@@ -538,8 +546,11 @@ class ModelRunner:
             lora_int_ids = [states[r].lora_int_id for r in request_ids]
         decode_size = token_size = None
         padded_num_reqs, padded_num_tokens = num_reqs, int(num_scheduled.sum())
-        # graphs hold the base model only: a step with an adapter runs eagerly
-        if self.graphs is not None and not (lora_int_ids and any(lora_int_ids)):
+        # with the torch LoRA path, graphs hold the base model only: a step with
+        # an adapter runs eagerly; the kernels read their indices from fixed buffers
+        lora_eager = (self.lora_manager is not None and not self.lora_manager.batch.use_kernels
+                      and any(lora_int_ids or ()))
+        if self.graphs is not None and not lora_eager:
             if int(num_scheduled.max()) == 1 and not self._prompt_logprobs:
                 decode_size = self.graphs.decode_size(num_reqs)
             if decode_size is not None:
@@ -694,10 +705,11 @@ class ModelRunner:
         """Run the step's forward (LoRA's batch set first, the previous
         pipeline stage's output received): its rows' hidden states, and for a
         decode graph on the last stage its logits and greedy ids."""
-        if self.lora_manager is not None and inputs.lora_int_ids is not None:
-            self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist())
         num_rows = inputs.decode_graph_size or inputs.token_graph_size or (
             0 if inputs.input_ids is None else len(inputs.input_ids))
+        if self.lora_manager is not None and inputs.lora_int_ids is not None:
+            self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist(),
+                                        num_rows)
         intermediate = self._receive(num_rows)
         if inputs.decode_graph_size is not None and self.graphs is not None:
             logits, greedy_ids = self.graphs.replay_decode(inputs.decode_graph_size)

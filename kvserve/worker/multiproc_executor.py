@@ -208,6 +208,16 @@ class MultiprocExecutor:
         if errors:
             raise ValueError(errors[0])
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter on every rank; False if the first rank did not know it."""
+        call_id = next(self._call_ids)
+        self._replies[call_id] = {}
+        self._broadcast(("remove_lora", call_id, lora_int_id))
+        while len(self._replies[call_id]) < self.layout.world_size:
+            self._dispatch(self._receive(deadline=time.monotonic() + self.timeout_s))
+        replies = self._replies.pop(call_id)
+        return replies[min(replies)] is None
+
     def _broadcast(self, message: tuple[Any, ...]) -> None:
         self._raise_if_failed()
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)

@@ -12,7 +12,8 @@ with its start-up figures. Then it serves messages, plain pickled tuples:
 
 - engine -> worker: ``("step", step_id, SchedulerOutput, known_tokens)``
   (``known_tokens``: tokens the last pipeline stage sampled, for the stages
-  before it), ``("add_lora", call_id, LoRARequest)``, ``("stop",)``;
+  before it), ``("add_lora", call_id, LoRARequest)``, ``("remove_lora", call_id,
+  lora_int_id)``, ``("stop",)``;
 - worker -> engine: ``("hello", rank, fingerprint)``, ``("ready", rank,
   figures)``, ``("startup_error", rank, error type, message)``,
   ``("output", step_id, ModelRunnerOutput)`` (the output rank only),
@@ -257,6 +258,9 @@ class Worker:
                         watcher.watch(pending)
             elif kind == "add_lora":
                 conn.send(("reply", message[1], self.rank, self._add_lora(message[2])))
+            elif kind == "remove_lora":
+                known = self.runner.remove_lora(message[2])
+                conn.send(("reply", message[1], self.rank, None if known else "unknown"))
             elif kind == "stop":
                 if self.parallel.pp is not None:
                     self.parallel.pp.wait_sends()

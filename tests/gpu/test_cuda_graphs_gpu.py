@@ -193,30 +193,3 @@ def test_a_context_that_cannot_fit_names_the_largest_that_would() -> None:
     with pytest.raises(ValueError, match=r"max_model_len=32768 needs 2048\. Lower max_model_len"):
         LLM(model="qwen2.5-0.5b", load_format="dummy", dtype="bfloat16", device="cuda",
             max_model_len=32768, gpu_memory_utilization=utilization)
-
-
-def test_lora_steps_run_eagerly_beside_graphed_ones(
-    tiny_checkpoint: Callable[[str], Path], tmp_path: Path, count_replays: list[int]
-) -> None:
-    from kvserve import LoRARequest
-    from tests.conftest import make_lora_adapter
-
-    path = tiny_checkpoint("llama")
-    adapter = make_lora_adapter(path, tmp_path / "adapter")
-    lora = LoRARequest("a", 1, str(adapter))
-    prompts = _prompts(4, seed=2)
-    loras = [lora, None, lora, None]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    kwargs = dict(model=str(path), dtype="float32", device="cuda", enable_lora=True,
-                  max_num_seqs=8, gpu_memory_utilization=0.3)
-
-    def run(llm: LLM, prompt_loras: list) -> list[list[int]]:
-        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=prompt_loras)
-        return [o.outputs[0].token_ids for o in outs]
-
-    eager = LLM(**kwargs, enforce_eager=True)
-    graphs = LLM(**kwargs)
-    assert run(graphs, loras) == run(eager, loras)
-    count_replays.clear()
-    assert run(graphs, [None] * 4) == run(eager, [None] * 4)
-    assert count_replays  # steps without an adapter replay graphs

@@ -435,6 +435,7 @@ def test_server_selects_the_adapter_by_model_name(served: Served) -> None:
     (["--enable-lora", "--lora-modules", "a"], "'a' is invalid: write NAME=PATH"),
     (["--enable-lora", "--lora-modules", "tiny=/nowhere"], "the name 'tiny' is already used"),
     (["--enable-lora", "--lora-modules", "a=/nowhere"], "--lora-modules a: lora_path="),
+    (["--allow-runtime-lora-updating"], "--allow-runtime-lora-updating needs --enable-lora"),
 ])
 def test_serve_rejects_bad_lora_modules_before_starting(
     tiny: Tiny, capsys: pytest.CaptureFixture[str], flags: list[str], message: str,
