@@ -686,8 +686,8 @@ def test_packed_linears_lm_head_and_lora_take_the_switch(
             module.weight.copy_(randn(*module.weight.shape, dtype=dtype, seed=seed, scale=0.1))
     lora = LoRALinear(qkv, [("q_proj", 0, 32), ("k_proj", 32, 16), ("v_proj", 48, 16)],
                       max_loras=2, max_rank=4, batch=LoRABatch())
-    lora.set_slot(1, {"q_proj": (randn(4, hidden, dtype=dtype, seed=12, scale=0.1),
-                                 randn(32, 4, dtype=dtype, seed=13, scale=0.1))})
+    lora.load_slot(1, lora.pack({"q_proj": (randn(4, hidden, dtype=dtype, seed=12, scale=0.1),
+                                            randn(32, 4, dtype=dtype, seed=13, scale=0.1))}))
     lora.batch.slot_rows = [(1, torch.tensor([0]))]
     x = randn(1, hidden, dtype=dtype, seed=14)
     ref_qkv, ref_logits = lora(x), head(x)

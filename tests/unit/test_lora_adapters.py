@@ -102,7 +102,7 @@ def _server(base: Path, loras: list[LoRARequest], allow: bool, api_keys: list[st
     client = ThreadedEngineClient(engine)
     config = ServerConfig(["tiny"], lora_requests=list(loras), api_keys=api_keys,
                           allow_runtime_lora_updating=allow)
-    return ServerState(config, engine=engine, client=client), client, engine
+    return ServerState(config, client=client), client, engine
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def _load(state: ServerState, name: str, path: str, **kwargs: object) -> tuple[i
 def test_server_loads_serves_and_unloads_adapters(server: Server) -> None:
     state, lora = server.state, server.loras[1]
     expected = _offline_text(LLMEngine.from_engine_args(EngineArgs(
-        model=str(server.state.engine.config.model_path), enable_lora=True,  # type: ignore
+        model=str(server.engine.config.model_path), enable_lora=True,
         num_kv_blocks=64)), LoRARequest("x", 9, lora.lora_path))
     assert _load(state, "mine", lora.lora_path) == (
         200, "Success: LoRA adapter 'mine' added successfully.")
@@ -156,7 +156,7 @@ def test_server_loads_serves_and_unloads_adapters(server: Server) -> None:
 
 def test_server_refuses_bad_adapters_and_keeps_serving(server: Server, tmp_path: Path) -> None:
     state = server.state
-    big = make_lora_adapter(Path(state.engine.config.model_path), tmp_path / "big",  # type: ignore
+    big = make_lora_adapter(Path(server.engine.config.model_path), tmp_path / "big",
                             rank=16)
     status, text = _load(state, "big", str(big))
     assert status == 400 and "r=16 exceeds max_lora_rank=8" in text
