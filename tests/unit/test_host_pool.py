@@ -151,3 +151,17 @@ def test_config_refuses_swap_without_a_host_tier_and_a_tier_without_caching() ->
         CacheConfig(kv_offload_gb=1.0, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offload_gb=-1"):
         CacheConfig(kv_offload_gb=-1)
+
+
+def test_metrics_show_the_host_tier_only_when_it_is_on() -> None:
+    from kvserve.server.metrics import ServerMetrics
+
+    scheduler = Scheduler(SchedulerConfig(), CacheConfig(block_size=BLOCK, kv_offload_gb=1.0),
+                          num_kv_blocks=6, num_host_kv_blocks=8)
+    stats = {**scheduler.stats(), "kv_host_bytes_to_host": 4096, "kv_host_copy_to_host_s": 0.5}
+    text = ServerMetrics("m", lambda: stats).render().decode()
+    assert 'kvserve:kv_host_blocks_total{model_name="m"} 8.0' in text
+    assert 'kvserve:kv_host_bytes_to_host_total{model_name="m"} 4096.0' in text
+    assert 'kvserve:kv_host_copy_to_host_seconds_total{model_name="m"} 0.5' in text
+    plain = Scheduler(SchedulerConfig(), CacheConfig(block_size=BLOCK), num_kv_blocks=6).stats()
+    assert "kv_host" not in ServerMetrics("m", lambda: plain).render().decode()
