@@ -20,12 +20,12 @@ from kvserve import envs
 from kvserve.assets import default_model_path
 from kvserve.config import (
     ALL_REDUCE_BACKENDS,
+    PREEMPTION_MODES,
     CacheConfig,
     EngineConfig,
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
-    PREEMPTION_MODES,
     SchedulerConfig,
 )
 from kvserve.distributed.sharding import check_split

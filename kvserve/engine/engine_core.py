@@ -164,7 +164,7 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         # the host KV tier's bytes and copy times, where the executor counts them
-        transfers = getattr(self.executor, "kv_transfer_stats", dict)()
+        transfers: dict[str, Any] = getattr(self.executor, "kv_transfer_stats", dict)()
         return {**self.scheduler.stats(), **transfers, "num_steps": self.num_steps,
                 "num_graph_steps": self.num_graph_steps,
                 "num_padding_tokens": self.num_padding_tokens,

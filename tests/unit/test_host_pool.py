@@ -57,7 +57,7 @@ def test_eviction_copies_out_and_a_host_hit_copies_in() -> None:
     first_out, onloads, _ = kv.take_transfers()
     assert len(first_out) == 3 and not onloads  # a's 3 full blocks out
     kv.begin_step()
-    again = make_request("c", list(range(13)) + [50])
+    again = make_request("c", [*range(13), 50])
     computed, num_hit = kv.get_computed_blocks(again)
     assert num_hit == 0  # nothing of a left on the device
     assert kv.start_onload(again, computed, max_landing=4)
@@ -69,7 +69,7 @@ def test_eviction_copies_out_and_a_host_hit_copies_in() -> None:
     assert kv.req_to_blocks["c"] and [b.block_id for b in kv.req_to_blocks["c"]] == [
         device for _, device in onloads]
     # a request reading c's blocks in the same step makes that step wait for them
-    same = make_request("d", list(range(13)) + [60])
+    same = make_request("d", [*range(13), 60])
     assert kv.get_computed_blocks(same)[1] == 12
     assert kv.take_transfers()[2]
 
@@ -130,7 +130,7 @@ def test_scheduler_runs_a_landing_request_one_step_later() -> None:
     fill(kv, make_request("a", list(range(13))))
     fill(kv, make_request("b", list(range(100, 113))))
     kv.take_transfers()
-    scheduler.add_request(make_request("c", list(range(13)) + [1, 2]))
+    scheduler.add_request(make_request("c", [*range(13), 1, 2]))
     first = scheduler.schedule()
     # a's first block is still on the device, the other two come in; c waits for them
     assert first.is_empty and len(first.kv_onloads) == 2

@@ -23,7 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # four 33-token prefixes, each asked three times, cycling: with a device pool
 # of one or two requests, each prefix comes back after it was evicted
 PREFIXES = [list(range(100 + 40 * i, 133 + 40 * i)) for i in range(4)]
-PROMPTS = [prefix + [7, 8, 9 + turn] for turn in range(3) for prefix in PREFIXES]
+PROMPTS = [[*prefix, 7, 8, 9 + turn] for turn in range(3) for prefix in PREFIXES]
 TINY_POOL = {"block_size": 4, "num_kv_blocks": 12, "max_num_seqs": 1}
 
 
