@@ -11,10 +11,11 @@ between the tiers, which the scheduler hands to the runner with each step
 host (``HostBlockPool``); a request whose prefix goes on past its device
 hits with host hits gets fresh blocks that the host's copies are written
 into (``start_onload``), and runs from the next step on, once they have
-landed (``landed``); a preempted request's computed blocks can be copied
-out first (``swap_out``). Copies out are listed before copies in, and the
-runner queues them in that order on one stream: a block evicted and
-refilled in the same step is read before it is overwritten.
+landed (``landing``); a preempted request's computed blocks can be copied
+out first (``swap_out``). The runner gathers the blocks going out before it
+writes the blocks coming in (a block evicted and refilled in the same step
+is read before it is overwritten) and copies in before it copies out to
+the host, so no copy in may read a host block written in the same step.
 Pure Python: no torch here.
 """
 
@@ -199,14 +200,14 @@ class KVCacheManager:
         max_hit_blocks = (request.num_tokens - 1) // block_size
         host_ids = []
         for block_hash in hashes[len(computed):max_hit_blocks]:
-            host_id = self.host.lookup(block_hash)
+            host_id = self._host_lookup(block_hash)
             if host_id is None:
                 break
             host_ids.append(host_id)
         num_full = len(computed) + len(host_ids)
         num_tokens = num_full * block_size
         if num_full == max_hit_blocks and request.num_tokens - 1 > num_tokens:
-            partial_id = self.host.lookup(
+            partial_id = self._host_lookup(
                 partial_block_hash(request, block_size, request.num_tokens - 1))
             if partial_id is not None:
                 host_ids.append(partial_id)
@@ -227,6 +228,14 @@ class KVCacheManager:
         self.host_cache_hits += num_tokens - len(computed) * block_size
         self.num_onloaded_blocks += len(new_blocks)
         return True
+
+    def _host_lookup(self, block_hash: bytes) -> int | None:
+        """A host block to copy in, unless this step's copies out write it (the
+        runner copies in before it copies out: the block is still on the
+        device then, but its hash no longer is)."""
+        assert self.host is not None
+        host_id = self.host.lookup(block_hash)
+        return None if host_id is None or host_id in self._offloads else host_id
 
     def swap_out(self, request: Request, num_tokens: int) -> None:
         """Queue copies to the host of a request about to be freed: its first

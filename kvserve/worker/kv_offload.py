@@ -11,13 +11,16 @@ care about dtypes: they move bytes.
 
 On CUDA the copies run on a side stream, which first waits for every step
 queued before (a block's KV may still be being written). Copies out gather
-the evicted blocks into a device staging buffer, then copy it to the host;
-the step waits only for the gather (the step may overwrite those blocks),
-not for the copy to the host. Copies in go host -> staging -> their blocks;
-the step after waits for them (or this one, with ``wait_for_onloads``).
-Everything on the host pool and the staging buffer happens on that one
-stream, in order: a host block is never overwritten before an earlier copy
-has read it. On the CPU the copies run at once, in the same order.
+the evicted blocks into a device staging buffer; then the copies in run
+(host -> a second staging buffer -> their blocks: a block evicted and
+refilled in one step is gathered first); then the gathered blocks go to
+the host. The step waits only for the gathers (it may overwrite those
+blocks), not for the copies to the host; the step after waits for the
+copies in (or this one, with ``wait_for_onloads``). Everything on the host
+pool and the staging buffers happens on that one stream, in order: a host
+block is never overwritten before an earlier copy has read it, and a copy
+in never reads a host block a copy out of the same step writes (the core
+lists none). On the CPU the copies run at once, in the same order.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -36,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 # byte alignment of each pool tensor's part of a host block
 BLOCK_ALIGN_BYTES = 16
-# the device staging buffer: blocks for one step's worth of tokens, at most this
+# the device staging buffers: blocks for one step's worth of tokens each, at most this
 STAGING_MAX_BYTES = 1 << 30
 
 
@@ -49,9 +53,10 @@ def host_block_bytes(tensors: Sequence[tuple[torch.Tensor, int]]) -> int:
 
 
 def staging_buffer_bytes(max_step_blocks: int, block_bytes: int) -> int:
-    """Device memory of the staging buffer: one step's blocks, at most
-    ``STAGING_MAX_BYTES`` (kept out of the KV pool on CUDA)."""
-    return min(max_step_blocks * block_bytes, STAGING_MAX_BYTES)
+    """Device memory of the two staging buffers (out and in): one step's
+    blocks each, at most ``STAGING_MAX_BYTES`` together (kept out of the KV
+    pool on CUDA)."""
+    return min(2 * max_step_blocks * block_bytes, STAGING_MAX_BYTES)
 
 
 def num_host_blocks(kv_offload_gb: float, block_bytes: int, world_size: int = 1) -> int:
@@ -115,35 +120,29 @@ class KVOffloader:
             offset += _aligned(size)
         self.block_bytes = offset
         cuda = device.type == "cuda"
-        # [num_blocks, block_bytes]
-        self.host = torch.zeros((num_blocks, self.block_bytes), dtype=torch.uint8,
+        # [num_blocks, block_bytes]; read only where written
+        self.host = torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8,
                                 pin_memory=cuda)
-        num_staging = max(1, min(max_step_blocks, STAGING_MAX_BYTES // self.block_bytes))
-        self.staging = torch.empty((num_staging, self.block_bytes), dtype=torch.uint8,
-                                   device=device)
+        # [num_staging, block_bytes] each: blocks going out, blocks coming in
+        num_staging = max(1, min(max_step_blocks, STAGING_MAX_BYTES // 2 // self.block_bytes))
+        self.staging_out, self.staging_in = (
+            torch.empty((num_staging, self.block_bytes), dtype=torch.uint8, device=device)
+            for _ in range(2))
         self.stream = torch.cuda.Stream(device) if cuda else None
         self._onloaded: torch.cuda.Event | None = None  # the last copies in, not waited for
-        # CUDA timing events (start, copies out done, copies in done) not read yet
-        self._timings: deque[tuple[torch.cuda.Event, ...]] = deque()
+        # the marks of ``_copy`` on CUDA (timing events) not read yet
+        self._timings: deque[tuple[Any, ...]] = deque()
         self.bytes_to_host = self.bytes_to_device = 0
         self.to_host_s = self.to_device_s = 0.0
-
-    @property
-    def staging_bytes(self) -> int:
-        return self.staging.numel()
 
     def transfer(self, offloads: list[tuple[int, int]], onloads: list[tuple[int, int]],
                  wait_for_onloads: bool) -> None:
         """Queue one step's copies (before its forward): out as (device block,
-        host block), then in as (host block, device block); make the step
-        wait for what it must (module docstring)."""
+        host block), in as (host block, device block); make the step wait for
+        what it must (module docstring)."""
         if self.stream is None:
-            start = time.perf_counter()
-            self._copy_out(offloads)
-            middle = time.perf_counter()
-            self._copy_in(onloads)
-            self.to_host_s += middle - start
-            self.to_device_s += time.perf_counter() - middle
+            marks = self._copy(offloads, onloads)
+            self._add_times(*marks)
             self._count(offloads, onloads)
             return
         main = torch.cuda.current_stream(self.device)
@@ -153,58 +152,86 @@ class KVOffloader:
         if not offloads and not onloads:
             return
         self.stream.wait_stream(main)
-        events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
         with torch.cuda.stream(self.stream):
-            events[0].record()
-            gathered = self._copy_out(offloads)
-            events[1].record()
-            self._copy_in(onloads)
-            events[2].record()
-        if gathered is not None:
-            main.wait_event(gathered)
+            marks = self._copy(offloads, onloads)
+        if offloads:  # marks[1]: every block copied out is gathered: the step may reuse them
+            main.wait_event(marks[1])
         if onloads:
             if wait_for_onloads:
-                main.wait_event(events[2])
+                main.wait_event(marks[2])
             else:
-                self._onloaded = events[2]
-        self._timings.append(events)
+                self._onloaded = marks[2]
+        self._timings.append(marks)
         self._count(offloads, onloads)
         self._read_timings()
+
+    def _copy(self, offloads: list[tuple[int, int]], onloads: list[tuple[int, int]]
+              ) -> tuple[Any, Any, Any, Any]:
+        """Gather the blocks going out into the out staging buffer, copy the
+        blocks coming in, then copy the gathered blocks to the host: a copy in
+        waits for no copy to the host of the same step (the core never lists
+        one that reads a host block the same step writes). More blocks out
+        than the buffer holds go out a buffer at a time first. Marks on the
+        stream (CUDA events, or host clock times on the CPU) before, after the
+        gathers, after the copies in, at the end."""
+        chunks = _chunks(sorted(offloads, key=lambda pair: pair[1]), len(self.staging_out))
+        start = self._mark()
+        for chunk in chunks[:-1]:
+            self._gather(chunk)
+            self._write_out(chunk)
+        if chunks:
+            self._gather(chunks[-1])
+        gathered = self._mark()
+        self._copy_in(onloads)
+        landed = self._mark()
+        if chunks:
+            self._write_out(chunks[-1])
+        return start, gathered, landed, self._mark()
+
+    def _mark(self) -> Any:
+        if self.stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _add_times(self, start: Any, gathered: Any, landed: Any, end: Any) -> None:
+        if self.stream is None:
+            self.to_host_s += (gathered - start) + (end - landed)
+            self.to_device_s += landed - gathered
+            return
+        self.to_host_s += (start.elapsed_time(gathered) + landed.elapsed_time(end)) / 1e3
+        self.to_device_s += gathered.elapsed_time(landed) / 1e3
 
     def _count(self, offloads: list[tuple[int, int]], onloads: list[tuple[int, int]]) -> None:
         self.bytes_to_host += len(offloads) * self.block_bytes
         self.bytes_to_device += len(onloads) * self.block_bytes
 
-    def _copy_out(self, offloads: list[tuple[int, int]]) -> torch.cuda.Event | None:
-        """Device blocks -> staging -> host blocks, a staging buffer at a time;
-        on CUDA the event after the last gather (the blocks may be reused then)."""
-        gathered = None
-        pairs = sorted(offloads, key=lambda pair: pair[1])
-        for chunk in _chunks(pairs, len(self.staging)):
-            ids = self._ids([block_id for block_id, _ in chunk])
-            num = len(chunk)
-            for view, offset, size in self.layout:
-                self.staging[:num, offset:offset + size].copy_(
-                    view.index_select(0, ids).reshape(num, size))
-            if self.stream is not None:
-                gathered = torch.cuda.Event()
-                gathered.record()
-            for row, host_id, length in _runs([host_id for _, host_id in chunk]):
-                self.host[host_id:host_id + length].copy_(self.staging[row:row + length],
-                                                          non_blocking=True)
-        return gathered
+    def _gather(self, chunk: list[tuple[int, int]]) -> None:
+        """Device blocks -> the out staging buffer's first rows."""
+        ids = self._ids([block_id for block_id, _ in chunk])
+        num = len(chunk)
+        for view, offset, size in self.layout:
+            self.staging_out[:num, offset:offset + size].copy_(
+                view.index_select(0, ids).reshape(num, size))
+
+    def _write_out(self, chunk: list[tuple[int, int]]) -> None:
+        """The out staging buffer's rows -> their host blocks (runs of
+        consecutive host blocks in one copy each)."""
+        for row, host_id, length in _runs([host_id for _, host_id in chunk]):
+            self.host[host_id:host_id + length].copy_(self.staging_out[row:row + length],
+                                                      non_blocking=True)
 
     def _copy_in(self, onloads: list[tuple[int, int]]) -> None:
-        """Host blocks -> staging -> device blocks, a staging buffer at a time."""
-        pairs = sorted(onloads)
-        for chunk in _chunks(pairs, len(self.staging)):
+        """Host blocks -> the in staging buffer -> device blocks, a buffer at a time."""
+        for chunk in _chunks(sorted(onloads), len(self.staging_in)):
             num = len(chunk)
             for row, host_id, length in _runs([host_id for host_id, _ in chunk]):
-                self.staging[row:row + length].copy_(self.host[host_id:host_id + length],
-                                                     non_blocking=True)
+                self.staging_in[row:row + length].copy_(self.host[host_id:host_id + length],
+                                                        non_blocking=True)
             ids = self._ids([block_id for _, block_id in chunk])
             for view, offset, size in self.layout:
-                source = self.staging[:num, offset:offset + size].view(num, *view.shape[1:])
+                source = self.staging_in[:num, offset:offset + size].view(num, *view.shape[1:])
                 view.index_copy_(0, ids, source)
 
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
@@ -217,10 +244,8 @@ class KVOffloader:
 
     def _read_timings(self) -> None:
         """Add the copy times of finished steps (CUDA events, never waited for)."""
-        while self._timings and self._timings[0][2].query():
-            start, middle, end = self._timings.popleft()
-            self.to_host_s += start.elapsed_time(middle) / 1e3
-            self.to_device_s += middle.elapsed_time(end) / 1e3
+        while self._timings and self._timings[0][-1].query():
+            self._add_times(*self._timings.popleft())
 
     def stats(self) -> dict[str, float]:
         """Bytes copied each way and the time the copies took (CUDA: of the

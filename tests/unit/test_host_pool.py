@@ -165,3 +165,15 @@ def test_metrics_show_the_host_tier_only_when_it_is_on() -> None:
     assert 'kvserve:kv_host_copy_to_host_seconds_total{model_name="m"} 0.5' in text
     plain = Scheduler(SchedulerConfig(), CacheConfig(block_size=BLOCK), num_kv_blocks=6).stats()
     assert "kv_host" not in ServerMetrics("m", lambda: plain).render().decode()
+
+
+def test_a_host_block_written_this_step_is_not_copied_in_the_same_step() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=BLOCK, num_host_blocks=8)  # 3 usable
+    fill(kv, make_request("a", list(range(9))))
+    fill(kv, make_request("b", list(range(100, 109))))  # evicts a's blocks: copies out queued
+    again = make_request("c", list(range(9)))
+    computed, _ = kv.get_computed_blocks(again)
+    assert not kv.start_onload(again, computed, max_landing=4)  # the copy out runs after
+    kv.take_transfers()
+    kv.begin_step()
+    assert kv.start_onload(again, computed, max_landing=4)  # a step later it is there
