@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-len", type=int, default=4096)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--offload-gb", type=float, default=32.0)
-    parser.add_argument("--w2-offload-gb", type=float, default=64.0)
+    parser.add_argument("--w2-offload-gb", type=float, default=32.0)
     parser.add_argument("--preempt-requests", type=int, default=64)
     parser.add_argument("--preempt-blocks", type=int, default=1024)
     parser.add_argument("--preempt-len", type=int, default=512, help="prompt and output tokens")

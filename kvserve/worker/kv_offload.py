@@ -65,16 +65,19 @@ def num_host_blocks(kv_offload_gb: float, block_bytes: int, world_size: int = 1)
     return int(kv_offload_gb * 1e9) // (block_bytes * world_size)
 
 
-def check_host_memory(kv_offload_gb: float, num_blocks: int, block_bytes: int) -> None:
-    """ValueError when this process's host pool exceeds the memory available."""
-    needed = num_blocks * block_bytes
+def check_host_memory(kv_offload_gb: float, num_blocks: int, block_bytes: int,
+                      num_ranks: int = 1) -> None:
+    """ValueError when the host pools of ``num_ranks`` processes like this one
+    (counted as if all on this machine) exceed the memory available."""
+    needed = num_blocks * block_bytes * num_ranks
     available = available_memory_bytes()
     if available is None or needed <= available:
         return
     total = total_memory_bytes()
     raise ValueError(
         f"kv_offload_gb={kv_offload_gb} needs {needed / 1e9:.2f} GB of host memory for "
-        f"{num_blocks} KV blocks of {block_bytes / 1e6:.2f} MB, but this machine has "
+        f"{num_blocks} KV blocks of {block_bytes / 1e6:.2f} MB"
+        f"{f' on each of {num_ranks} ranks' if num_ranks > 1 else ''}, but this machine has "
         f"{available / 1e9:.2f} GB available{f' ({total / 1e9:.1f} GB in all)' if total else ''}"
         f"; use --kv-offload-gb {available * 0.8 / 1e9:.1f} or less"
     )
@@ -93,7 +96,7 @@ def create_kv_offloader(tensors: Sequence[tuple[torch.Tensor, int]], kv_offload_
         raise ValueError(f"kv_offload_gb={kv_offload_gb} holds no KV block of "
                          f"{block_bytes / 1e6:.2f} MB; give at least one block's worth, or 0 "
                          "to turn the host tier off")
-    check_host_memory(kv_offload_gb, num_blocks, block_bytes)
+    check_host_memory(kv_offload_gb, num_blocks, block_bytes, parallel.layout.world_size)
     offloader = KVOffloader(tensors, num_blocks, device, max_step_blocks)
     logger.info("host KV tier: %d blocks of %.2f MB, %.2f GB%s", num_blocks, block_bytes / 1e6,
                 num_blocks * block_bytes / 1e9, " pinned" if device.type == "cuda" else "")
