@@ -526,7 +526,6 @@ class Scheduler:
             **(self.spec_policy.stats() if self.spec_policy is not None else {}),
         }
 
-
     def _host_tier_stats(self) -> dict[str, int]:
         kv = self.kv_manager
         if kv.host is None:

@@ -60,7 +60,8 @@ def reference(tiny_checkpoint: Callable[[str], Path]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("options", [{}, {"async_scheduling": True},
-                                     {"num_kv_blocks": 24, "max_num_seqs": 2}])
+                                     {"num_kv_blocks": 24, "max_num_seqs": 2},
+                                     {"max_num_batched_tokens": 8}])
 def test_greedy_identical_with_the_tier_across_eviction_and_return(
     options: dict[str, Any], tiny_checkpoint: Callable[[str], Path],
     reference: list[list[int]],
@@ -93,12 +94,13 @@ def test_a_full_host_pool_evicts_and_never_fails(tiny_checkpoint: Callable[[str]
     assert stats["kv_host_offloaded_blocks"] > 10  # stored over and over: LRU evicted
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize(("mode", "async_scheduling"),
+                         [("recompute", False), ("swap", False), ("swap", True)])
 def test_preemption_modes_give_identical_output(
-    mode: str, tiny_checkpoint: Callable[[str], Path], reference: list[list[int]],
+    mode: str, async_scheduling: bool, tiny_checkpoint: Callable[[str], Path],
 ) -> None:
     llm = LLM(model=str(tiny_checkpoint("llama")), block_size=4, num_kv_blocks=20,
-              kv_offload_gb=0.001, preemption_mode=mode)
+              kv_offload_gb=0.001, preemption_mode=mode, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [p[:20 + 3 * i] for i, p in enumerate(PREFIXES)]
     roomy = LLM(model=str(tiny_checkpoint("llama")), enable_prefix_caching=False)
