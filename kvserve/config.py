@@ -330,7 +330,9 @@ class SpeculativeConfig:
     request's own tokens. ``oracle`` (benchmarks) replays the target's
     greedy continuation recorded from earlier requests with the same
     prompt, each proposal kept with probability ``acceptance_rate`` and
-    corrupted otherwise. Speculation switches itself off in a step whose
+    corrupted otherwise; with ``forced_acceptance`` the oracle's coin alone
+    decides which greedy proposals are kept (timing only: outputs are not
+    the target's). Speculation switches itself off in a step whose
     decode batch makes it cost more than it gains (``core/spec_policy.py``)
     unless ``auto_disable`` is False; ``disable_by_batch_size`` replaces that
     rule with a fixed batch size.
@@ -342,6 +344,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     acceptance_rate: float = 1.0
+    forced_acceptance: bool = False
     disable_by_batch_size: int | None = None
     auto_disable: bool = True
     seed: int = 0
@@ -368,6 +371,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.acceptance_rate={self.acceptance_rate} is invalid: "
                 "must be in [0, 1]"
+            )
+        if self.forced_acceptance and self.method != "oracle":
+            raise ValueError(
+                f"speculative_config.forced_acceptance is only for method='oracle', not "
+                f"{self.method!r}"
             )
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(

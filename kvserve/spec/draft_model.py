@@ -14,8 +14,6 @@ verifier); the target's distribution is kept exactly either way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
@@ -24,10 +22,7 @@ from kvserve.layers.custom_ops import set_triton_ops
 from kvserve.models.loader import load_model
 from kvserve.models.registry import CausalLM
 from kvserve.models.source import resolve_model_config
-from kvserve.spec.proposer import ChainProposer, ProposerStep
-
-if TYPE_CHECKING:
-    from kvserve.worker.model_runner import ModelRunner
+from kvserve.spec.proposer import ChainProposer, ProposerSetting, ProposerStep
 
 
 class DraftModelProposer(ChainProposer):
@@ -62,17 +57,15 @@ class DraftModelProposer(ChainProposer):
         return self.model.compute_logits(hidden).argmax(dim=-1), hidden
 
 
-def load_draft_proposer(runner: ModelRunner, path: str, load_format: str) -> DraftModelProposer:
+def load_draft_proposer(setting: ProposerSetting, path: str, load_format: str
+                        ) -> DraftModelProposer:
     """Load the draft (``path``: a checkpoint directory, or a preset with
-    random weights) on the runner's device and dtype, with the runner's
-    attention backend and Triton ops."""
+    random weights) on the target's device and dtype, with its attention
+    backend and Triton ops."""
     config, model_path = resolve_model_config(path)
     model = load_model(config, model_path, "dummy" if model_path is None else load_format,
-                       runner.dtype, runner.device, seed=1)
+                       setting.dtype, setting.device, seed=1)
     model.eval()
-    if runner.sampler.use_triton:
+    if setting.use_triton:
         set_triton_ops(model, True)
-    return DraftModelProposer(
-        model, backend=runner.backend, device=runner.device, dtype=runner.dtype,
-        block_size=runner.block_size, max_model_len=runner.scheduler_config.max_model_len,
-        max_rows=runner.scheduler_config.max_num_seqs, graph_sizes=runner.cuda_graph_sizes)
+    return DraftModelProposer(model, **setting.chain_kwargs())

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,10 +38,7 @@ from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.llama import LlamaAttention, LlamaDecoderLayer
 from kvserve.models.registry import CausalLM
-from kvserve.spec.proposer import ChainProposer, ProposerStep
-
-if TYPE_CHECKING:
-    from kvserve.worker.model_runner import ModelRunner
+from kvserve.spec.proposer import ChainProposer, ProposerSetting, ProposerStep
 
 
 def head_model_config(config: dict[str, Any], source: str) -> ModelConfig:
@@ -152,6 +149,20 @@ def save_eagle_head(head: EagleHead, config: dict[str, Any], path: Path) -> None
                for name, param in head.named_parameters()}, str(path / "model.safetensors"))
 
 
+def write_random_eagle_head(target_config: dict[str, Any], path: Path, std: float,
+                            seed: int = 0) -> Path:
+    """An untrained head for a target (normal weights of ``std``, norm scales
+    1) written to ``path``: for tests and for timing on random weights."""
+    config = eagle_head_config(target_config)
+    torch.manual_seed(seed)
+    head = EagleHead(head_model_config(config, "random"))
+    with torch.no_grad():
+        for param in head.parameters():
+            param.normal_(0.0, std) if param.dim() > 1 else param.fill_(1.0)
+    save_eagle_head(head, config, path)
+    return path
+
+
 def load_eagle_head(path: Path, device: torch.device, dtype: torch.dtype) -> EagleHead:
     """A head from its directory; ValueError naming a tensor that does not fit."""
     from safetensors.torch import load_file
@@ -182,11 +193,9 @@ def load_eagle_head(path: Path, device: torch.device, dtype: torch.dtype) -> Eag
     return head.eval()
 
 
-def load_eagle_proposer(runner: ModelRunner, path: Path) -> EagleProposer:
-    head = load_eagle_head(path, runner.device, runner.dtype)
-    if runner.sampler.use_triton:
+def load_eagle_proposer(setting: ProposerSetting, target: CausalLM, path: Path) -> EagleProposer:
+    """Load the head at ``path`` beside ``target`` (its embedding is shared)."""
+    head = load_eagle_head(path, setting.device, setting.dtype)
+    if setting.use_triton:
         set_triton_ops(head, True)
-    return EagleProposer(
-        head, runner.model, backend=runner.backend, device=runner.device, dtype=runner.dtype,
-        block_size=runner.block_size, max_model_len=runner.scheduler_config.max_model_len,
-        max_rows=runner.scheduler_config.max_num_seqs, graph_sizes=runner.cuda_graph_sizes)
+    return EagleProposer(head, target, **setting.chain_kwargs())

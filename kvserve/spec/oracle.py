@@ -10,6 +10,18 @@ recording is proposed; each proposed token is replaced by a wrong one with
 probability ``1 - acceptance_rate``, independently, so a greedy request
 accepts the first ``j`` of ``k`` proposals with probability ``alpha^j``,
 the i.i.d. model of the theoretical speed-up). Host-side, no device work.
+
+Replay needs the verify step to reproduce the recorded greedy tokens. On
+random bf16 weights it does not: a verify step's ``1 + k``-row GEMMs and
+attention round differently from the one-row decode step, random logits
+have small margins, and the llama-3-8b preset's output left the recording
+within a few steps on an H100. ``forced_acceptance`` mode therefore lets the
+coin alone decide: any tokens are proposed, each marked correct with
+probability ``acceptance_rate``, and the verifier (``SpecDecodeRunner``)
+replaces a correct one by the target's own token before checking it. The
+device work is that of real proposals at that acceptance; the outputs are
+not the target's (a kept proposal's KV holds the proposed token), so it is
+for timing only.
 """
 
 from __future__ import annotations
@@ -47,3 +59,10 @@ class OracleProposer:
         # a token the target does not produce there: the next id
         proposals[wrong] = (proposals[wrong] + 1) % self.vocab_size
         return proposals.tolist()
+
+    def propose_forced(self, output_token_ids: list[int], num_draft: int
+                       ) -> tuple[list[int], list[bool]]:
+        """``num_draft`` placeholder proposals (the last token repeated) and
+        whether each counts as correct (``forced_acceptance`` mode)."""
+        correct = self.rng.random(num_draft) < self.acceptance_rate
+        return [output_token_ids[-1] if output_token_ids else 0] * num_draft, correct.tolist()

@@ -40,6 +40,27 @@ from kvserve.layers.attention import bind_kv_cache, get_attention_layers
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ProposerSetting:
+    """What a device proposer takes from the target's runner: where it runs,
+    its attention backend, the pool's block size and the batch limits."""
+
+    backend: AttentionBackend
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    max_rows: int
+    graph_sizes: tuple[int, ...]
+    use_triton: bool
+
+    def chain_kwargs(self) -> dict[str, Any]:
+        """``ChainProposer``'s keyword arguments."""
+        return {"backend": self.backend, "device": self.device, "dtype": self.dtype,
+                "block_size": self.block_size, "max_model_len": self.max_model_len,
+                "max_rows": self.max_rows, "graph_sizes": self.graph_sizes}
+
+
 @dataclass
 class ProposerStep:
     """One target step as a proposer sees it (device tensors unless noted)."""

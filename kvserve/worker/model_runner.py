@@ -465,7 +465,7 @@ class ModelRunner:
             self._biased.discard(request_id)
             self.matchers.remove(request_id)
             if self.spec is not None and request_id in self.rows:
-                self.spec.on_finished(self.rows[request_id])
+                self.spec.on_finished(request_id, self.rows[request_id])
             self._free_row(request_id)
         for request_id in scheduler_output.preempted_request_ids:
             self._free_row(request_id)
@@ -713,7 +713,7 @@ class ModelRunner:
             logits, greedy_ids = self.graphs.replay_decode(inputs.decode_graph_size)
             if greedy_ids is None:  # a stage before the last: its output
                 return logits, None
-            return self.graphs.decode_hidden[inputs.decode_graph_size], (logits, greedy_ids)
+            return self.graphs.decode_hidden.get(inputs.decode_graph_size), (logits, greedy_ids)
         if inputs.token_graph_size is not None and self.graphs is not None:
             return self.graphs.replay_tokens(inputs.token_graph_size), None
         assert inputs.input_ids is not None and inputs.positions is not None

@@ -38,7 +38,7 @@ from kvserve.sampling.rejection import verify_proposals
 from kvserve.sampling.sampler import SamplerOutput, SamplingBatch, forbidden_token_ids
 from kvserve.spec.ngram import NgramProposer
 from kvserve.spec.oracle import OracleProposer
-from kvserve.spec.proposer import ChainProposer, ProposerStep
+from kvserve.spec.proposer import ChainProposer, ProposerSetting, ProposerStep
 
 if TYPE_CHECKING:
     from kvserve.worker.model_runner import ModelRunner, PendingStep, StepInputs
@@ -66,6 +66,8 @@ class SpecDecodeRunner:
                       if config.method == "ngram" else None)
         self.oracle = (OracleProposer(config.acceptance_rate, runner.model_config.vocab_size,
                                       config.seed) if config.method == "oracle" else None)
+        # forced_acceptance: request id -> which of its next proposals count as correct
+        self._forced: dict[str, list[bool]] = {}
 
     @classmethod
     def create(cls, runner: ModelRunner, config: SpeculativeConfig, path: str | None,
@@ -76,13 +78,20 @@ class SpecDecodeRunner:
             from kvserve.spec.draft_model import load_draft_proposer
 
             assert path is not None, "SpeculativeConfig checks that a draft has a path"
-            proposer = load_draft_proposer(runner, path, load_format)
+            proposer = load_draft_proposer(cls._setting(runner), path, load_format)
         elif config.method == "eagle":
             from kvserve.spec.eagle import load_eagle_proposer
 
             assert path is not None, "SpeculativeConfig checks that a head has a path"
-            proposer = load_eagle_proposer(runner, Path(path))
+            proposer = load_eagle_proposer(cls._setting(runner), runner.model, Path(path))
         return cls(runner, config, proposer)
+
+    @staticmethod
+    def _setting(runner: ModelRunner) -> ProposerSetting:
+        return ProposerSetting(
+            runner.backend, runner.device, runner.dtype, runner.block_size,
+            runner.scheduler_config.max_model_len, runner.scheduler_config.max_num_seqs,
+            runner.cuda_graph_sizes, runner.sampler.use_triton)
 
     # ------------------------------------------------------------ the pool
 
@@ -98,8 +107,9 @@ class SpecDecodeRunner:
         if self.device_proposer is not None:
             self.device_proposer.capture()
 
-    def on_finished(self, row: int) -> None:
+    def on_finished(self, request_id: str, row: int) -> None:
         """A request finished in ``row``: the oracle records its output."""
+        self._forced.pop(request_id, None)
         if self.oracle is not None:
             batch = self.runner.batch
             self.oracle.record(batch.prompt_token_ids(row), batch.output_token_ids(row))
@@ -142,14 +152,21 @@ class SpecDecodeRunner:
         # the proposals and row indices, in one host-to-device copy
         num_reqs, max_n = len(request_ids), int(n.max(initial=0))
         drafts = np.zeros((num_reqs, max_n), dtype=np.int64)
+        forced = np.zeros((num_reqs, max_n), dtype=np.int64) if self.config.forced_acceptance \
+            else np.zeros((0, max_n), dtype=np.int64)
         for i, request_id in enumerate(request_ids):
             verified = out.scheduled_spec_token_ids.get(request_id, ())
             drafts[i, :len(verified)] = verified
-        packed = to_device(np.concatenate([n, row_start, first, flat, drafts.ravel()]),
-                           torch.int64, runner.device)
+            if len(forced):
+                correct = self._forced.pop(request_id, [])[:len(verified)]
+                forced[i, :len(correct)] = correct
+        packed = to_device(np.concatenate([n, row_start, first, flat, drafts.ravel(),
+                                           forced.ravel()]), torch.int64, runner.device)
         small = packed[:3 * num_reqs].view(3, num_reqs)
         flat_t = packed[3 * num_reqs:3 * num_reqs + len(flat)]
-        draft_ids = packed[3 * num_reqs + len(flat):].view(num_reqs, max_n)
+        drafts_end = 3 * num_reqs + len(flat) + drafts.size
+        draft_ids = packed[3 * num_reqs + len(flat):drafts_end].view(num_reqs, max_n)
+        forced_t = packed[drafts_end:].view(len(forced), max_n).bool() if len(forced) else None
         start = runner._mark()
         hidden, decode_out = runner._forward(inputs)
         batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
@@ -158,7 +175,8 @@ class SpecDecodeRunner:
         else:
             assert hidden is not None, "a step without a decode graph has its hidden states"
             logits = runner.model.compute_logits(hidden[flat_t])
-        tokens, accepted_counts = self._verify(logits, sampling, sample_rows, draft_ids, small)
+        tokens, accepted_counts = self._verify(logits, sampling, sample_rows, draft_ids, small,
+                                               forced_t)
         proposer_start = proposer_end = None
         proposals = None
         if self.device_proposer is not None:
@@ -187,15 +205,23 @@ class SpecDecodeRunner:
         return step
 
     def _verify(self, logits: torch.Tensor, sampling: SamplingBatch | None,
-                sample_rows: np.ndarray, draft_ids: torch.Tensor, small: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The verified tokens ``[N, 1 + max n]`` and their counts ``[N]``."""
+                sample_rows: np.ndarray, draft_ids: torch.Tensor, small: torch.Tensor,
+                forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verified tokens ``[N, 1 + max n]`` and their counts ``[N]``;
+        ``forced`` (the oracle's ``forced_acceptance``) marks the greedy
+        proposals to turn into the target's own tokens first."""
         runner = self.runner
         num_spec, row_start = small[0], small[1]
         if sampling is None:  # every row argmax_only: no processing changes the argmax
-            return verify_proposals(draft_ids, num_spec, row_start, runner.sampler.argmax(logits),
-                                    None)
+            greedy_ids = runner.sampler.argmax(logits)
+            if forced is not None:
+                draft_ids = _forced_drafts(draft_ids, row_start, greedy_ids, forced,
+                                           runner.model_config.vocab_size)
+            return verify_proposals(draft_ids, num_spec, row_start, greedy_ids, None)
         target_ids, target_probs = runner.sampler.process(logits.float(), sampling)
+        if forced is not None and target_ids is not None:
+            draft_ids = _forced_drafts(draft_ids, row_start, target_ids, forced,
+                                       runner.model_config.vocab_size)
         greedy = runner.batch.sampling.greedy[sample_rows]
         greedy_mask = (to_device(greedy, torch.bool, runner.device)
                        if greedy.any() and not greedy.all() else None)
@@ -332,6 +358,10 @@ class SpecDecodeRunner:
             row, num = int(step.rows[i]), int(record.num_draft[i])
             if self.ngram is not None:
                 proposals = self.ngram.propose(batch.token_ids[row, :batch.num_tokens[row]], num)
+            elif self.config.forced_acceptance:
+                assert self.oracle is not None
+                proposals, self._forced[step.request_ids[i]] = self.oracle.propose_forced(
+                    batch.output_token_ids(row), num)
             else:
                 assert self.oracle is not None
                 proposals = self.oracle.propose(batch.prompt_token_ids(row),
@@ -339,6 +369,16 @@ class SpecDecodeRunner:
             if proposals:
                 output.spec_token_ids[step.request_ids[i]] = proposals
         output.proposer_s = time.perf_counter() - start
+
+
+def _forced_drafts(draft_ids: torch.Tensor, row_start: torch.Tensor, target_ids: torch.Tensor,
+                   forced: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Proposals ``[N, K]`` made right where ``forced`` says (the target's
+    token at that row) and wrong elsewhere (the next token id)."""
+    rows = (row_start.unsqueeze(1) + torch.arange(draft_ids.shape[1], device=draft_ids.device)
+            ).clamp_(max=len(target_ids) - 1)
+    target = target_ids[rows]
+    return torch.where(forced, target, (target + 1) % vocab_size)
 
 
 def _elapsed_s(start: Any, end: Any) -> float:

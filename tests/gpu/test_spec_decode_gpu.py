@@ -1,12 +1,14 @@
 """Speculative decoding on a CUDA device (skipped without one), the bundled
-model in bfloat16 with the Triton kernels: greedy output identical with
-speculation on and off for every method, at batch 1 and 8, with CUDA graphs
-(target steps, the proposer's chain steps) and eagerly, and identical
-between the two; the proposer's chain graphs are captured and replayed;
-seeded sampling reproduces; the oracle at acceptance 1.0 accepts all."""
+model (bfloat16 at batch 1, float32 at batch 8) with the Triton kernels:
+greedy output identical with speculation on and off for every method, at
+batch 1 and 8, with CUDA graphs (target steps, the proposer's chain steps)
+and eagerly, and identical between the two; the proposer's chain graphs
+are captured and replayed; seeded sampling reproduces; the oracle at
+acceptance 1.0 accepts all."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +33,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
 
 
 def random_head(tmp_path: Path) -> Path:
-    import json
-
     from kvserve.assets import default_model_path
-    from kvserve.spec.eagle import EagleHead, eagle_head_config, head_model_config, save_eagle_head
+    from kvserve.spec.eagle import write_random_eagle_head
 
-    config = eagle_head_config(json.loads((default_model_path() / "config.json").read_text()))
-    torch.manual_seed(0)
-    head = EagleHead(head_model_config(config, "test"))
-    with torch.no_grad():
-        for param in head.parameters():
-            param.normal_(0.0, 0.05) if param.dim() > 1 else param.fill_(1.0)
-    save_eagle_head(head, config, tmp_path / "head")
-    return tmp_path / "head"
+    return write_random_eagle_head(
+        json.loads((default_model_path() / "config.json").read_text()), tmp_path / "head", 0.05)
 
 
 def configs(tmp_path: Path) -> dict[str, dict[str, Any]]:
@@ -59,7 +53,11 @@ def configs(tmp_path: Path) -> dict[str, dict[str, Any]]:
 
 def run(prompts: list[str], enforce_eager: bool, spec: dict[str, Any] | None,
         passes: int = 1) -> tuple[list[list[int]], LLM]:
-    kwargs: dict[str, Any] = {"dtype": "bfloat16", "device": "cuda", "max_num_seqs": 8,
+    # bf16 at batch 1; a batch of 8 in float32: in bf16 the verify step's rows
+    # round differently from a plain step of another batch composition, and a
+    # near-tie of the bundled model flipped one greedy token of 768 (H100)
+    dtype = "bfloat16" if len(prompts) == 1 else "float32"
+    kwargs: dict[str, Any] = {"dtype": dtype, "device": "cuda", "max_num_seqs": 8,
                               "enforce_eager": enforce_eager}
     if spec is not None:
         kwargs["speculative_config"] = {**spec, "num_speculative_tokens": 4,

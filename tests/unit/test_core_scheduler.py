@@ -110,6 +110,19 @@ def run_core_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[st
     return outputs
 
 
+def finish_and_check(core: EngineCore, got: dict[str, list[int]],
+                     expected: dict[str, list[int]], aborted: set[str]) -> None:
+    """Run ``core`` dry; each request got its expected tokens (an aborted one
+    a prefix of them)."""
+    for request_id, tokens in run_core_to_completion(core).items():
+        got.setdefault(request_id, []).extend(tokens)
+    for request_id, tokens in expected.items():
+        if request_id not in aborted:
+            assert got[request_id] == tokens, request_id
+        else:
+            assert got.get(request_id, []) == tokens[:len(got.get(request_id, []))]
+
+
 def make_scheduler(num_blocks: int = 64, block_size: int = 4,
                    lora_config: LoRAConfig | None = None,
                    step_token_sizes: tuple[int, ...] = (), **kwargs: object) -> Scheduler:
@@ -131,7 +144,8 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int = 8,
                    lora_int_id=lora_int_id)
 
 
-def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
+def check_pool(scheduler: Scheduler) -> None:
+    """Every block's reference count is its owners' count; free iff unowned."""
     pool = scheduler.kv_manager.pool
     owners: dict[int, int] = {}
     for blocks in scheduler.kv_manager.req_to_blocks.values():
@@ -143,6 +157,10 @@ def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
         assert not (pool.is_free(block) and block.ref_cnt > 0), "block both free and owned"
         if block.ref_cnt == 0 and block.block_id != NULL_BLOCK_ID:
             assert pool.is_free(block), f"unowned block {block.block_id} not in free queue"
+
+
+def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
+    check_pool(scheduler)
     cfg = scheduler.config
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(out.num_scheduled_tokens) <= cfg.max_num_seqs
@@ -479,13 +497,7 @@ def test_randomised_add_abort_step_keeps_invariants(seed: int, async_scheduling:
             aborted.add(victim)
         for core_out in core.step():
             got.setdefault(core_out.request_id, []).extend(core_out.new_token_ids)
-    for request_id, tokens in run_core_to_completion(core).items():
-        got.setdefault(request_id, []).extend(tokens)
-    for request_id, tokens in expected.items():
-        if request_id not in aborted:
-            assert got[request_id] == tokens, request_id
-        else:
-            assert got.get(request_id, []) == tokens[:len(got.get(request_id, []))]
+    finish_and_check(core, got, expected, aborted)
     pool = core.scheduler.kv_manager.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
     for block in pool.blocks[1:]:

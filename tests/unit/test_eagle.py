@@ -26,6 +26,7 @@ from kvserve.spec.eagle import (
     save_eagle_head,
 )
 from tests.conftest import make_tiny_checkpoint
+from tests.unit.test_spec_decode import spy_on_proposals
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "train_eagle_head.py"
@@ -81,18 +82,7 @@ def test_eagle_proposals_match_a_dense_reference(script: ModuleType, target: Pat
     llm = LLM(model=str(target), block_size=4, num_kv_blocks=40, max_num_batched_tokens=8,
               speculative_config={"method": "eagle", "model": str(tmp_path / "head"),
                                   "num_speculative_tokens": 3, "auto_disable": False})
-    runner: Any = llm.engine.core.executor
-    seen: list[tuple[list[int], list[int]]] = []
-    read = runner.spec._read
-
-    def spy(step: Any, output: Any, record: Any) -> None:
-        read(step, output, record)
-        for request_id, proposals in output.spec_token_ids.items():
-            row = runner.rows[request_id]
-            seen.append((runner.batch.token_ids[row, :runner.batch.num_tokens[row]].tolist(),
-                         proposals))
-
-    runner.spec._read = spy
+    seen = spy_on_proposals(llm)
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     llm.generate(PROMPTS, params, use_tqdm=False)
     reference = transformers.AutoModelForCausalLM.from_pretrained(target).eval()

@@ -20,7 +20,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.outputs import RequestOutput
-from kvserve.spec.eagle import EagleHead, eagle_head_config, head_model_config, save_eagle_head
+from kvserve.spec.eagle import write_random_eagle_head
 from tests.conftest import make_tiny_checkpoint
 
 PROMPTS = [
@@ -43,6 +43,24 @@ def spec(method: str, k: int = 3, **extra: Any) -> dict[str, Any]:
     return {"method": method, "num_speculative_tokens": k, "auto_disable": False, **extra}
 
 
+def spy_on_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """A list that collects (the request's tokens, its proposals) each time
+    the runner reads a speculative step's proposals."""
+    runner: Any = llm.engine.core.executor
+    seen: list[tuple[list[int], list[int]]] = []
+    read = runner.spec._read
+
+    def spy(step: Any, output: Any, record: Any) -> None:
+        read(step, output, record)
+        for request_id, proposals in output.spec_token_ids.items():
+            row = runner.rows[request_id]
+            seen.append((runner.batch.token_ids[row, :runner.batch.num_tokens[row]].tolist(),
+                         proposals))
+
+    runner.spec._read = spy
+    return seen
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("target"), with_tokenizer=True)
@@ -52,14 +70,8 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def random_head(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An untrained EAGLE head for the tiny target (its proposals are poor;
     the output must not care)."""
-    config = eagle_head_config(json.loads((target / "config.json").read_text()))
-    torch.manual_seed(0)
-    head = EagleHead(head_model_config(config, "test"))
-    with torch.no_grad():
-        for param in head.parameters():
-            param.normal_(0.0, 0.1) if param.dim() > 1 else param.fill_(1.0)
     path = tmp_path_factory.mktemp("head")
-    save_eagle_head(head, config, path)
+    write_random_eagle_head(json.loads((target / "config.json").read_text()), path, 0.1)
     return path
 
 
@@ -105,6 +117,28 @@ def test_greedy_output_is_identical_with_speculation(
         assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
+def test_forced_oracle_accepts_what_its_coin_says(target: Path, alpha: float) -> None:
+    config = spec("oracle", k=4, acceptance_rate=alpha, forced_acceptance=True)
+    params = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
+    outputs, llm = generate(target, params, PROMPTS[:2], speculative_config=config)
+    assert all(len(o[0][0]) == 90 for o in outputs)
+    stats = llm.stats()
+    drafted = stats["spec_decode_num_draft_tokens"]
+    accepted = stats["spec_decode_num_accepted_tokens"]
+    assert drafted > 0  # no first pass: it proposes from the first step
+    if alpha in (0.0, 1.0):
+        assert accepted == alpha * drafted
+    else:
+        assert abs(stats["spec_decode_num_accepted_tokens_per_pos"][0]
+                   / stats["spec_decode_num_drafted_tokens_per_pos"][0] - alpha) < 0.2
+
+
+def test_forced_acceptance_is_only_for_the_oracle(target: Path) -> None:
+    with pytest.raises(ValueError, match="forced_acceptance"):
+        LLM(model=str(target), speculative_config=spec("ngram", forced_acceptance=True))
+
+
 def test_a_draft_equal_to_the_target_is_always_accepted(target: Path) -> None:
     outputs, llm = generate(target, GREEDY, PROMPTS[:3],
                             speculative_config=spec("draft_model", k=4, model=str(target)))
@@ -123,18 +157,7 @@ def test_draft_proposals_are_its_greedy_continuation(target: Path, tmp_path: Pat
     shutil.copy(target / "tokenizer.json", draft_path / "tokenizer.json")
     llm = LLM(model=str(target), block_size=4,
               speculative_config=spec("draft_model", k=3, model=str(draft_path)))
-    runner: Any = llm.engine.core.executor
-    seen: list[tuple[list[int], list[int]]] = []
-    read = runner.spec._read
-
-    def spy(step: Any, output: Any, record: Any) -> None:
-        read(step, output, record)
-        for request_id, proposals in output.spec_token_ids.items():
-            row = runner.rows[request_id]
-            seen.append((runner.batch.token_ids[row, :runner.batch.num_tokens[row]].tolist(),
-                         proposals))
-
-    runner.spec._read = spy
+    seen = spy_on_proposals(llm)
     llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     reference = transformers.AutoModelForCausalLM.from_pretrained(draft_path).eval()
     assert len(seen) > 10

@@ -21,7 +21,6 @@ from kvserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.core.prefix_cache import update_block_hashes
 from kvserve.core.request import Request
@@ -31,7 +30,9 @@ from kvserve.engine.engine_core import EngineCore
 from tests.unit.test_core_scheduler import (
     EOS,
     VOCAB,
+    check_pool,
     fake_token,
+    finish_and_check,
     make_request,
     reference_output,
     run_core_to_completion,
@@ -112,16 +113,7 @@ def check_spec_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
     every registered block full of the owner's accepted tokens."""
     kv = scheduler.kv_manager
     pool = kv.pool
-    owners: dict[int, int] = {}
-    for blocks in kv.req_to_blocks.values():
-        for block in blocks:
-            owners[block.block_id] = owners.get(block.block_id, 0) + 1
-    for block in pool.blocks:
-        expected = owners.get(block.block_id, 0) + (block.block_id == NULL_BLOCK_ID)
-        assert block.ref_cnt == expected, f"block {block.block_id} ref_cnt mismatch"
-        assert not (pool.is_free(block) and block.ref_cnt > 0), "block both free and owned"
-        if block.ref_cnt == 0 and block.block_id != NULL_BLOCK_ID:
-            assert pool.is_free(block), f"unowned block {block.block_id} not in free queue"
+    check_pool(scheduler)
     cfg = scheduler.config
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(scheduler.running) <= cfg.max_num_seqs
@@ -333,11 +325,5 @@ def test_randomised_spec_runs_keep_invariants(seed: int, async_scheduling: bool)
             aborted.add(victim)
         for core_out in core.step():
             got.setdefault(core_out.request_id, []).extend(core_out.new_token_ids)
-    for request_id, tokens in run_core_to_completion(core).items():
-        got.setdefault(request_id, []).extend(tokens)
-    for request_id, tokens in expected.items():
-        if request_id not in aborted:
-            assert got[request_id] == tokens, request_id
-        else:
-            assert got.get(request_id, []) == tokens[:len(got.get(request_id, []))]
+    finish_and_check(core, got, expected, aborted)
     assert_pool_idle(core)
