@@ -120,7 +120,7 @@ def test_a_tier_larger_than_host_memory_is_refused(
                                          r"1.00 GB available"):
         LLM(model=str(tiny_checkpoint("llama")), kv_offload_gb=5.0, block_size=4)
     kv_offload.check_host_memory(0.9, 90, 10**7)  # 0.9 GB of 1 GB: fine
-    with pytest.raises(ValueError, match="1.80 GB of host memory .* on each of 2 ranks"):
+    with pytest.raises(ValueError, match=r"1.80 GB of host memory .* on each of 2 ranks"):
         kv_offload.check_host_memory(1.8, 90, 10**7, num_ranks=2)
     with pytest.raises(ValueError, match="holds no KV block"):
         LLM(model=str(tiny_checkpoint("llama")), kv_offload_gb=1e-9, block_size=4)
