@@ -166,6 +166,7 @@ def _sliding_windows(
 # scales: fp8 per layer and KV head, int8 per token and KV head); vLLM's names
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,13 @@ class CacheConfig:
     # (kvserve/worker/kv_cache.py)
     cpu_kv_cache_bytes: int | None = None
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES or an alias ("fp8")
+    # host-memory KV tier (GB in all ranks together; 0: off): blocks the prefix
+    # cache evicts are copied there and come back on a hit (worker/kv_offload.py)
+    kv_offload_gb: float = 0.0
+    # what preemption does with the victim's KV: "recompute" frees it (its full
+    # blocks may still come back through the prefix cache); "swap" first copies
+    # every computed block, the partly filled last one too, to the host tier
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
@@ -190,6 +198,18 @@ class CacheConfig:
                 f"{', '.join((*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES))}"
             )
         object.__setattr__(self, "kv_cache_dtype", dtype)
+        if self.kv_offload_gb < 0:
+            raise ValueError(f"kv_offload_gb={self.kv_offload_gb} must be >= 0")
+        if self.kv_offload_gb and not self.enable_prefix_caching:
+            raise ValueError(
+                f"kv_offload_gb={self.kv_offload_gb} needs enable_prefix_caching: the host "
+                "tier holds blocks by their prefix-cache hash")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode='{self.preemption_mode}' must be one of "
+                             f"{PREEMPTION_MODES}")
+        if self.preemption_mode == "swap" and not self.kv_offload_gb:
+            raise ValueError("preemption_mode='swap' needs kv_offload_gb > 0: swapped blocks "
+                             "go to the host KV tier")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -113,6 +113,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="KV-cache dtype (default bf16; int8 counts kvserve's float32 "
                              "scale per token and KV head; --measure runs fp8 and int8 as "
                              "--kv-cache-dtype fp8_e4m3 / int8)")
+    parser.add_argument("--kv-offload-gb", type=float, default=0.0,
+                        help="host memory for the KV tier, GB over all GPUs (default 0: none); "
+                             "counted in the tokens the prefix cache holds")
     spec = parser.add_argument_group(
         "speculative decoding (give all three; the figures are upper bounds: "
         + SPEC_UPPER_BOUND_NOTE + ")")
@@ -252,7 +255,7 @@ def _build(args: argparse.Namespace) -> _Setup:
         tp=args.tp, batch=args.batch, context=context, prompt=args.prompt, output=args.output,
         weights=args.weights, kv_dtype=args.kv_dtype, spec_k=args.spec_k,
         spec_alpha=args.spec_alpha, spec_cost_ratio=args.spec_cost_ratio,
-        memory_utilization=DEFAULT_MEMORY_UTILIZATION,
+        memory_utilization=DEFAULT_MEMORY_UTILIZATION, kv_offload_gb=args.kv_offload_gb,
     )
     check_tp(model, inputs.tp)
     hardware = Hardware.from_gpu(gpu, args.weights, args.bandwidth, args.flops, args.memory,
@@ -329,6 +332,7 @@ def echo_inputs(args: argparse.Namespace, setup: _Setup) -> dict[str, Any]:
         "flops_tflop_s": hardware.flops_s / 1e12,
         "memory_gb": hardware.memory_bytes / 1e9,
         "memory_utilization": inputs.memory_utilization,
+        "kv_offload_gb": inputs.kv_offload_gb,
         "constants": setup.constants.values(),
     }
 

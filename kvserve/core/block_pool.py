@@ -14,6 +14,7 @@ Pure Python: no torch here.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 NULL_BLOCK_ID = 0
@@ -43,6 +44,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self._cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        # told (block id, hash) of each cached block just before it is evicted
+        # (the host KV tier copies it out)
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -122,4 +126,6 @@ class BlockPool:
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
         block.block_hash = None

@@ -53,6 +53,13 @@ class SchedulerOutput:
     # requests that sample this step (their slots are allocated when the
     # proposer writes KV for them: SpeculativeConfig.uses_lookahead_slots)
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # host KV tier: copies out as (device block, host block) and copies in as
+    # (host block, device block), queued before the step (worker/kv_offload.py
+    # says in which order); a step reads the blocks copied in from the next
+    # one on, unless wait_for_onloads (it reads some of this step's own)
+    kv_offloads: list[tuple[int, int]] = field(default_factory=list)
+    kv_onloads: list[tuple[int, int]] = field(default_factory=list)
+    wait_for_onloads: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -81,7 +81,7 @@ class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int,
         lora_config: LoRAConfig | None = None, step_token_sizes: tuple[int, ...] = (),
-        speculative_config: SpeculativeConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None, num_host_kv_blocks: int = 0,
     ) -> None:
         self.config = scheduler_config
         self.step_token_sizes = sorted(step_token_sizes)
@@ -90,8 +90,10 @@ class Scheduler:
         self.max_loras = lora_config.max_loras if lora_config is not None else 0
         self.block_size = cache_config.block_size
         self.kv_manager = KVCacheManager(
-            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            num_host_kv_blocks,
         )
+        self.swaps = cache_config.preemption_mode == "swap" and num_host_kv_blocks > 0
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -184,6 +186,7 @@ class Scheduler:
         """Plan one step under the token and sequence budgets."""
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
+        self.kv_manager.begin_step()
         budget = self.config.max_num_batched_tokens
         max_reqs = self._max_step_requests()
         if self.spec_policy is not None:  # the batch size the step will have, about
@@ -193,6 +196,7 @@ class Scheduler:
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget, max_reqs)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.kv_offloads, out.kv_onloads, out.wait_for_onloads = self.kv_manager.take_transfers()
         self._sampling.clear()
         return out
 
@@ -282,9 +286,13 @@ class Scheduler:
             # a request preempted with a token in flight waits a step, when it is known
             assert not request.num_output_placeholders, "resuming with a token in flight"
             computed: list[KVBlock] = []
-            num_hit = 0
-            if request.num_computed_tokens == 0:
+            # tokens of blocks copied in from the host tier in an earlier step
+            num_hit = self.kv_manager.landing.get(request.request_id, 0)
+            if not num_hit and request.num_computed_tokens == 0:
                 computed, num_hit = self.kv_manager.get_computed_blocks(request)
+                if self.kv_manager.start_onload(request, computed, self._free_seats()):
+                    index += 1  # its blocks are copied in during this step; it runs next
+                    continue
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -296,8 +304,15 @@ class Scheduler:
             num_draft = self._num_draft(request, request.num_tokens, num_hit + num_new,
                                         num_hit + num_new == request.num_tokens)
             lookahead = num_draft if self._uses_lookahead else 0
+            landed = request.request_id in self.kv_manager.landing
+            if landed:  # its blocks are held already
+                request.num_computed_tokens = num_hit
             if self.kv_manager.allocate_slots(request, num_new + lookahead, computed) is None:
+                if landed:  # let go of the blocks copied in (they stay cached)
+                    self.kv_manager.free(request)
+                    request.num_computed_tokens = 0
                 break
+            self.kv_manager.landing.pop(request.request_id, None)
             self.waiting.pop(index)
             self.running.append(request)
             if request.lora_int_id:
@@ -309,6 +324,11 @@ class Scheduler:
                 request.times.first_scheduled_s = time.monotonic()
             self._record(request, num_new, [], out, 0, num_draft)
             budget -= num_new
+
+    def _free_seats(self) -> int:
+        """Requests that may be landing (copies in from the host tier) at once:
+        no more than the running batch could still take."""
+        return self.config.max_num_seqs - len(self.running)
 
     def _trim_to_step_size(self, num_new: int, budget: int) -> int:
         """``num_new`` shortened so that the step's tokens end on the largest
@@ -371,6 +391,9 @@ class Scheduler:
         out.scheduled_spec_token_ids.pop(victim.request_id, None)
         out.num_draft_tokens.pop(victim.request_id, None)
         victim.spec_token_ids = []
+        if self.swaps:  # the KV computed by the steps queued before this one
+            self.kv_manager.swap_out(victim, min(victim.num_computed_tokens - given_back,
+                                                 len(victim.all_token_ids)))
         self.kv_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -503,10 +526,22 @@ class Scheduler:
             "prefix_cache_queries": self.kv_manager.prefix_cache_queries,
             "prefix_cache_hits": self.kv_manager.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
+            **self._host_tier_stats(),
             "num_requests_running": len(self.running),
             "num_requests_waiting": len(self.waiting),
             **(self.spec_policy.stats() if self.spec_policy is not None else {}),
         }
+
+    def _host_tier_stats(self) -> dict[str, int]:
+        kv = self.kv_manager
+        if kv.host is None:
+            return {}
+        return {"kv_host_blocks_total": kv.host.num_blocks,
+                "kv_host_blocks_used": kv.host.num_used_blocks,
+                "kv_host_cache_hits": kv.host_cache_hits,
+                "kv_host_offloaded_blocks": kv.num_offloaded_blocks,
+                "kv_host_onloaded_blocks": kv.num_onloaded_blocks,
+                "kv_host_swapped_blocks": kv.num_swapped_blocks}
 
 
 def _priority_key(request: Request) -> tuple[int, float]:

@@ -20,6 +20,7 @@ from kvserve import envs
 from kvserve.assets import default_model_path
 from kvserve.config import (
     ALL_REDUCE_BACKENDS,
+    PREEMPTION_MODES,
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -113,6 +114,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    kv_offload_gb: float = 0.0
+    preemption_mode: str = "recompute"
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
@@ -198,6 +201,8 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_offload_gb=self.kv_offload_gb,
+                preemption_mode=self.preemption_mode,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -351,6 +356,15 @@ class EngineArgs:
                            default=defaults.gpu_memory_utilization,
                            help="share of the GPU's memory the engine may use: weights, "
                                 "activations and the KV cache (default: %(default)s)")
+        group.add_argument("--kv-offload-gb", type=float, default=defaults.kv_offload_gb,
+                           help="host memory (GB, pinned on CUDA) for a second KV tier: "
+                                "blocks the prefix cache evicts are copied there and come "
+                                "back on a hit (default: 0, off)")
+        group.add_argument("--preemption-mode", default=defaults.preemption_mode,
+                           choices=PREEMPTION_MODES,
+                           help="recompute: a preempted request's KV is dropped and computed "
+                                "again; swap: copied to the host tier (needs --kv-offload-gb) "
+                                "and back when it resumes (default: %(default)s)")
         group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
                            help="the most requests in the running batch "
                                 "(default: %(default)s)")

@@ -90,6 +90,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, executor.num_kv_blocks + 1,
             config.lora_config, config.cuda_graph_token_sizes, config.speculative_config,
+            getattr(executor, "num_host_kv_blocks", 0),
         )
         self.async_scheduling = config.scheduler_config.async_scheduling
         # steps left queued when step() returns: none, or with async scheduling
@@ -178,7 +179,9 @@ class EngineCore:
         return self.scheduler.requests.get(request_id)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.scheduler.stats(), "num_steps": self.num_steps,
+        # the host KV tier's bytes and copy times, where the executor counts them
+        transfers: dict[str, Any] = getattr(self.executor, "kv_transfer_stats", dict)()
+        return {**self.scheduler.stats(), **transfers, "num_steps": self.num_steps,
                 "num_graph_steps": self.num_graph_steps,
                 "num_padding_tokens": self.num_padding_tokens,
                 "device_s": self.device_s, "wait_s": self.wait_s}

@@ -123,6 +123,8 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         """KV blocks (total, free, cached), prefix-cache counters, preemptions,
         running and waiting requests, steps and their host/device time split;
+        with ``kv_offload_gb`` the host tier's ``kv_host_*`` blocks, hits (tokens),
+        blocks and bytes copied each way and the copies' seconds;
         with ``speculative_config`` the ``spec_decode_*`` counters, the
         acceptance rate (accepted / proposed tokens) and the mean accepted
         length (tokens per verification, the target's own token included)."""

@@ -122,6 +122,8 @@ class PlanInputs:
     spec_alpha: float | None = None
     spec_cost_ratio: float | None = None
     memory_utilization: float = DEFAULT_MEMORY_UTILIZATION
+    # the host KV tier (--kv-offload-gb), GB over all GPUs together
+    kv_offload_gb: float = 0.0
 
     def __post_init__(self) -> None:
         for flag, value, low in (("--tp", self.tp, 1), ("--batch", self.batch, 1),
@@ -135,6 +137,8 @@ class PlanInputs:
         if self.kv_dtype not in KV_DTYPE_BYTES:
             raise PlanError("--kv-dtype", f"'{self.kv_dtype}' is not one of "
                                           f"{', '.join(KV_DTYPE_BYTES)}")
+        if self.kv_offload_gb < 0:
+            raise PlanError("--kv-offload-gb", f"must be >= 0, got {self.kv_offload_gb}")
         if not 0.0 < self.memory_utilization <= 1.0:
             raise PlanError("memory_utilization", f"must be in (0, 1], got "
                                                   f"{self.memory_utilization}")

@@ -44,6 +44,9 @@ class Plan:
     fits: bool
     max_batch_at_context: int
     max_context_at_batch: int
+    # tokens of KV the GPU's free memory and the host tier hold (prefix cache)
+    kv_tokens_gpu: int
+    kv_tokens_host: int
     decode_ms_per_step: float
     decode_tokens_per_s: float
     decode_tokens_per_s_per_request: float
@@ -141,6 +144,8 @@ def compute_plan(model: ModelConfig, hardware: Hardware, inputs: PlanInputs,
         fits=weights + total <= usable,
         max_batch_at_context=max(0, math.floor(free / per_request)),
         max_context_at_batch=max(0, math.floor(free / (per_token * inputs.batch))),
+        kv_tokens_gpu=max(0, math.floor(free / per_token)),
+        kv_tokens_host=math.floor(inputs.kv_offload_gb * 1e9 / inputs.tp / per_token),
         decode_ms_per_step=step_s * 1e3,
         decode_tokens_per_s=inputs.batch / step_s,
         decode_tokens_per_s_per_request=1.0 / step_s,

@@ -47,6 +47,10 @@ def _size_rows(plan: Plan, model: ModelConfig, hardware: Hardware,
         ("max_context_at_batch", f"{plan.max_context_at_batch:,}",
          f"at batch {inputs.batch:,}"
          + (beyond if plan.max_context_at_batch > max_pos else "")),
+        ("kv_tokens_gpu", f"{plan.kv_tokens_gpu:,}", "tokens of KV the GPU's free memory holds"),
+        ("kv_tokens_host", f"{plan.kv_tokens_host:,}",
+         f"more in the host tier (--kv-offload-gb {inputs.kv_offload_gb:g}, per GPU): "
+         f"{plan.kv_tokens_gpu + plan.kv_tokens_host:,} cached in all"),
     ]
 
 

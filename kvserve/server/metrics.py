@@ -4,7 +4,8 @@ Three sources feed one registry (per server, so tests can build many):
 
 - engine state, read from ``EngineClient.stats()`` at scrape time by
   ``EngineStatsCollector`` (running / waiting requests, KV usage, prefix-cache
-  queries and hits, preemptions; with speculative decoding vLLM's
+  queries and hits, preemptions; with the host KV tier its blocks, hits,
+  bytes copied each way and copy seconds; with speculative decoding vLLM's
   ``spec_decode_*`` counters: verifications, proposed and accepted tokens,
   accepted tokens per proposal position);
 - per-request timings and counts, observed by the HTTP layer as outputs
@@ -63,13 +64,15 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats() or {}
-        gauges = (
+        gauges: tuple[tuple[str, str, str], ...] = (
             ("num_requests_running", "Requests in the running batch.", "num_requests_running"),
             ("num_requests_waiting", "Requests waiting to be scheduled.",
              "num_requests_waiting"),
             ("kv_cache_usage_perc", "Share of KV-cache blocks held by requests (0..1).",
              "kv_cache_usage"),
         )
+        if "kv_host_blocks_total" in stats:
+            gauges += HOST_TIER_GAUGES
         for name, doc, key in gauges:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], float(stats.get(key, 0)))
@@ -81,6 +84,8 @@ class EngineStatsCollector(Collector):
              "prefix_cache_hits"),
             ("num_preemptions", "Requests preempted for lack of KV blocks.", "num_preemptions"),
         )
+        if "kv_host_blocks_total" in stats:
+            counters += HOST_TIER_COUNTERS
         if "spec_decode_num_drafts" in stats:
             counters += SPEC_DECODE_COUNTERS
         for name, doc, key in counters:
@@ -98,6 +103,28 @@ class EngineStatsCollector(Collector):
             yield counter
 
 
+HOST_TIER_GAUGES = (
+    ("kv_host_blocks_total", "Blocks of the host KV tier.", "kv_host_blocks_total"),
+    ("kv_host_blocks_used", "Blocks of the host KV tier holding KV.", "kv_host_blocks_used"),
+)
+HOST_TIER_COUNTERS = (
+    ("kv_host_cache_hits", "Prompt tokens found in the host KV tier (copied back).",
+     "kv_host_cache_hits"),
+    ("kv_host_offloaded_blocks", "Blocks copied to the host tier when evicted.",
+     "kv_host_offloaded_blocks"),
+    ("kv_host_swapped_blocks", "Blocks of preempted requests copied to the host tier.",
+     "kv_host_swapped_blocks"),
+    ("kv_host_onloaded_blocks", "Blocks copied back from the host tier.",
+     "kv_host_onloaded_blocks"),
+    ("kv_host_bytes_to_host", "Bytes copied from the device to the host tier.",
+     "kv_host_bytes_to_host"),
+    ("kv_host_bytes_to_device", "Bytes copied from the host tier to the device.",
+     "kv_host_bytes_to_device"),
+    ("kv_host_copy_to_host_seconds", "Device time of the copies to the host tier.",
+     "kv_host_copy_to_host_s"),
+    ("kv_host_copy_to_device_seconds", "Device time of the copies from the host tier.",
+     "kv_host_copy_to_device_s"),
+)
 SPEC_DECODE_COUNTERS = (
     ("spec_decode_num_drafts", "Verifications of proposals (one request, one step).",
      "spec_decode_num_drafts"),

@@ -90,6 +90,7 @@ from kvserve.worker.kv_cache import (
     kv_cache_dtype,
     log_kv_scales,
 )
+from kvserve.worker.kv_offload import KVOffloader, create_kv_offloader, staging_buffer_bytes
 from kvserve.worker.spec_decode import SpecDecodeRunner
 from kvserve.worker.structured_output import GrammarMatchers
 
@@ -233,6 +234,8 @@ class ModelRunner:
         self.kv_scales: list[torch.Tensor] | None = None
         self.kv_cache_dtype = kv_cache_dtype(cache_config, dtype)
         self.num_kv_blocks = 0
+        self.kv_offloader: KVOffloader | None = None  # the host KV tier, when on
+        self.num_host_kv_blocks = 0
         self.reserved_bytes = 0  # kept out of the KV pool for the largest step (profiled)
         self.kv_spec = KVCacheSpec.of(model)
         self.parallel = parallel or ParallelState.single()
@@ -323,9 +326,14 @@ class ModelRunner:
         spec, cache, sched = self.kv_spec, self.cache_config, self.scheduler_config
         kv_dtype = self.kv_cache_dtype
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        extra_block_bytes = self.spec.kv_bytes_per_block() if self.spec else 0
+        max_step_blocks = sched.max_num_batched_tokens // cache.block_size + 1
+        staging_bytes = (staging_buffer_bytes(max_step_blocks, extra_block_bytes
+                                              + spec.bytes_per_block(cache.block_size, kv_dtype))
+                         if cache.kv_offload_gb and self.device.type == "cuda" else 0)
         num_blocks = determine_num_blocks(spec, cache, sched, self.device, kv_dtype,
-                                          self.reserved_bytes, weights,
-                                          self.spec.kv_bytes_per_block() if self.spec else 0)
+                                          self.reserved_bytes + staging_bytes, weights,
+                                          extra_block_bytes)
         num_blocks = self.parallel.min_over_ranks(num_blocks)
         if cache.num_kv_blocks is None:  # a given count is the user's (the scheduler checks it)
             check_num_blocks(num_blocks, spec, cache, sched, kv_dtype)
@@ -338,6 +346,18 @@ class ModelRunner:
         bind_kv_cache(self.model, self.kv_caches, self.backend, self.kv_scales)
         if self.spec is not None:
             self.spec.bind_kv_cache(self.num_kv_blocks + 1)
+        if cache.kv_offload_gb:  # the host tier, over every tensor at the pool's block ids
+            proposer = self.spec.device_proposer if self.spec is not None else None
+            tensors = self.kv_caches + (proposer.kv_caches if proposer is not None else [])
+            if kv_dtype == torch.int8:  # its scales are per token: they travel with the block
+                tensors += self.kv_scales or []
+            self.kv_offloader = create_kv_offloader([(t, 1) for t in tensors], cache.kv_offload_gb,
+                                                    self.parallel, self.device, max_step_blocks)
+            self.num_host_kv_blocks = len(self.kv_offloader.host)
+
+    def kv_transfer_stats(self) -> dict[str, float]:
+        """The host tier's bytes copied each way and copy times (none when off)."""
+        return self.kv_offloader.stats() if self.kv_offloader is not None else {}
 
     def shutdown(self, kill: bool = False) -> None:
         """Nothing to stop: the runner lives in the engine's process."""
@@ -632,6 +652,10 @@ class ModelRunner:
         """Queue one step, sampling for every request that caught up; returns
         at once with a ``PendingStep`` (a finished output for an empty step)."""
         self._update_states(scheduler_output)
+        if self.kv_offloader is not None:
+            self.kv_offloader.transfer(scheduler_output.kv_offloads,
+                                       scheduler_output.kv_onloads,
+                                       scheduler_output.wait_for_onloads)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         if self.spec is not None and scheduler_output.is_spec_step:

@@ -110,6 +110,7 @@ class MultiprocExecutor:
             self.shutdown(kill=True)
             raise
         self.num_kv_blocks = int(self.figures[0]["num_kv_blocks"])
+        self.num_host_kv_blocks = int(self.figures[0]["num_host_kv_blocks"])
         for f in self.figures:
             logger.info("rank %d (TP rank %d, stage %d, pid %d) on %s: weights %.2f GB, profiled "
                         "step %.2f GB, KV %.2f GB for %d layers x %d KV heads, %d blocks, ready "

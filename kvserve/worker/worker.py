@@ -225,7 +225,8 @@ class Worker:
             "rank": args.rank, "tp_rank": layout.tp_rank, "pp_rank": layout.pp_rank,
             "pid": os.getpid(), "device": str(device), "weights_gb": weights_bytes / 1e9,
             "kv_gb": kv_bytes / 1e9,
-            "num_kv_blocks": runner.num_kv_blocks, "peak_step_gb": runner.reserved_bytes / 1e9,
+            "num_kv_blocks": runner.num_kv_blocks, "num_host_kv_blocks": runner.num_host_kv_blocks,
+            "peak_step_gb": runner.reserved_bytes / 1e9,
             "num_layers": runner.kv_spec.num_layers, "num_kv_heads": runner.kv_spec.num_kv_heads,
             "startup_s": time.perf_counter() - start,
         }

@@ -26,7 +26,8 @@ from kvserve.plan.utilization import mbu, mfu
 
 PLAN_KEYS = {
     "params", "weight_bytes", "kv_bytes_per_token", "kv_bytes_per_request", "kv_bytes_total",
-    "fits", "max_batch_at_context", "max_context_at_batch", "decode_ms_per_step",
+    "fits", "max_batch_at_context", "max_context_at_batch", "kv_tokens_gpu", "kv_tokens_host",
+    "decode_ms_per_step",
     "decode_tokens_per_s", "decode_tokens_per_s_per_request", "prefill_ms",
     "roofline_decode_ms_per_step", "roofline_prefill_ms", "decode_breakdown_ms",
     "prefill_breakdown_ms", "arithmetic_intensity_decode", "ridge_point", "bound", "e2e_ms",
@@ -181,6 +182,19 @@ def test_fit_and_limits_are_consistent() -> None:
     assert not _plan("llama-3-8b", batch=plan.max_batch_at_context + 1, context=8192).fits
     assert not _plan("llama-3-8b", batch=8, context=plan.max_context_at_batch + 1).fits
     assert not _plan("llama-2-70b", gpu="a100-40gb").fits
+
+
+def test_host_kv_tier_adds_the_tokens_it_holds_per_gpu() -> None:
+    plain = _plan("llama-3-8b")
+    tiered = _plan("llama-3-8b", kv_offload_gb=128.0)
+    per_token = 32 * 2 * 8 * 128 * 2  # layers x K,V x KV heads x head_dim x bf16
+    assert plain.kv_tokens_host == 0 and tiered.kv_tokens_gpu == plain.kv_tokens_gpu
+    assert tiered.kv_tokens_host == 128_000_000_000 // per_token
+    # two GPUs: half the host memory each, for half of each token's KV heads
+    assert _plan("llama-3-8b", kv_offload_gb=128.0, tp=2).kv_tokens_host == (
+        64_000_000_000 // (per_token // 2))
+    with pytest.raises(PlanError, match="--kv-offload-gb"):
+        PlanInputs(kv_offload_gb=-1.0)
 
 
 def test_e2e_is_prefill_plus_output_steps() -> None:
