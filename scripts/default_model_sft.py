@@ -12,6 +12,7 @@ not import kvserve.
 from __future__ import annotations
 
 import ast
+import inspect
 import math
 import re
 import time
@@ -94,7 +95,7 @@ def generate_until(
 ) -> list[tuple[list[int], bool]]:
     """Greedy generation of each prompt until a stop id (not returned) or max_new tokens;
     returns (new ids, stopped). Prompts are left-padded into batches (attention mask and
-    position ids skip the padding); no KV cache, as the bundled models are small."""
+    position ids skip the padding), decoded with transformers' KV cache."""
     model.eval()
     device = next(model.parameters()).device
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -113,20 +114,26 @@ def generate_until(
         seen.scatter_(1, seq, mask.bool())
         done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
         new: list[torch.Tensor] = []
+        # transformers renamed `past_key_values` to `cache` in 5.2x; accept either
+        params = inspect.signature(model.forward).parameters
+        cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        out = model(input_ids=seq, attention_mask=mask, position_ids=positions, use_cache=True)
         for _ in range(max_new):
-            positions = (mask.cumsum(1) - 1).clamp(min=0)
-            logits = model(input_ids=seq, attention_mask=mask, position_ids=positions).logits
-            logits = apply_repetition_penalty(logits[:, -1].float(), seen, penalty)
+            logits = apply_repetition_penalty(out.logits[:, -1].float(), seen, penalty)
             nxt = torch.where(done, torch.full_like(done, pad_id, dtype=torch.long), logits.argmax(-1))
             done |= torch.isin(nxt, stops)
             new.append(nxt)
             seen[torch.arange(len(chunk), device=device), nxt] = True
-            seq = torch.cat([seq, nxt[:, None]], dim=1)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            if bool(done.all()):
+            if bool(done.all()) or len(new) == max_new:
                 break
-        out = torch.stack(new, dim=1).tolist()
-        for ids in out:
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+            out = model(
+                input_ids=nxt[:, None], attention_mask=mask, position_ids=positions,
+                use_cache=True, **{cache_kwarg: getattr(out, "cache", None) or out.past_key_values},
+            )
+        for ids in torch.stack(new, dim=1).tolist():
             cut = next((j for j, t in enumerate(ids) if t in stop_ids), None)
             results.append((ids, False) if cut is None else (ids[:cut], True))
     return results
