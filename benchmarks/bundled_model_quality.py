@@ -108,11 +108,14 @@ def generation_scores(args: argparse.Namespace, files: list[tuple[str, str]]) ->
     outs = run([s + "\n" for s in sigs], None)
     comps = [(text, stopped) for text, stopped, _ in outs]
     gen_s = time.monotonic() - t0
-    good = [sft.completion_stops_and_parses(s, c, st) for s, (c, st) in zip(sigs, comps, strict=True)]
+    good = [
+        sft.completion_stops_and_parses(s, c, st) for s, (c, st) in zip(sigs, comps, strict=True)
+    ]
     stopped = [st for _, st in comps]
     pairs = tasks.instruction_pairs(files, max_chars=1 << 30)
     if len(pairs) > args.num_chats:
-        pairs = [pairs[i] for i in np.linspace(0, len(pairs) - 1, args.num_chats).round().astype(int)]
+        picks = np.linspace(0, len(pairs) - 1, args.num_chats).round().astype(int)
+        pairs = [pairs[i] for i in picks]
     t0 = time.monotonic()
     chats = run(None, [[{"role": "user", "content": p.user}] for p in pairs])
     replies = [(text, stopped) for text, stopped, _ in chats]

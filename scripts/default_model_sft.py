@@ -69,6 +69,21 @@ def share(flags: list[bool]) -> float:
     return sum(flags) / max(len(flags), 1)
 
 
+def choose_penalty(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The penalty whose held-out score (mean of stop-and-parse, chat function and chat stop
+    shares) is highest; a tie keeps the smaller penalty (1.0: none)."""
+    def score(r: dict[str, Any]) -> float:
+        return (r["stop_and_parse_share"] + r["chat_function_share"] + r["chat_stop_share"]) / 3
+
+    best = max(sorted(results, key=lambda r: r["repetition_penalty"]), key=score)
+    return {
+        "chosen": best["repetition_penalty"],
+        "scores": {str(r["repetition_penalty"]): score(r) for r in results},
+        "rule": "max mean(stop_and_parse, chat_function, chat_stop) on held-out files; ties: "
+        "smaller penalty",
+    }
+
+
 # --------------------------------------------------------------------------- generation
 
 
@@ -121,7 +136,7 @@ def generate_until(
         out = model(input_ids=seq, attention_mask=mask, position_ids=positions, use_cache=True)
         for _ in range(max_new):
             logits = apply_repetition_penalty(out.logits[:, -1].float(), seen, penalty)
-            nxt = torch.where(done, torch.full_like(done, pad_id, dtype=torch.long), logits.argmax(-1))
+            nxt = logits.argmax(-1).masked_fill(done, pad_id)
             done |= torch.isin(nxt, stops)
             new.append(nxt)
             seen[torch.arange(len(chunk), device=device), nxt] = True
@@ -202,7 +217,8 @@ def sft_stage(
 
     evaluate()
     while step < settings["max_steps"] and time.monotonic() - start < settings["budget_s"]:
-        progress = max(step / settings["max_steps"], (time.monotonic() - start) / settings["budget_s"])
+        elapsed = time.monotonic() - start
+        progress = max(step / settings["max_steps"], elapsed / settings["budget_s"])
         warm = min(1.0, (step + 1) / max(settings["warmup_steps"], 1))
         for group in opt.param_groups:
             group["lr"] = settings["lr"] * warm * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))

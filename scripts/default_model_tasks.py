@@ -169,7 +169,7 @@ def chat_example(
 
 def sft_batches(
     examples: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int, seed: int
-) -> "Callable[[], tuple[np.ndarray, np.ndarray]]":
+) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
     """A seeded sampler of right-padded (input ids, labels) batches, labels shifted by one so
     that labels[:, t] is the target of input position t; padding is IGNORE_INDEX."""
     rng = np.random.default_rng(seed)

@@ -65,8 +65,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the two sibling modules below
-import default_model_sft as sft  # noqa: E402
-import default_model_tasks as tasks  # noqa: E402
+import default_model_sft as sft
+import default_model_tasks as tasks
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 CHAT_TOKENS = ["<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
@@ -1321,7 +1321,9 @@ def stop_and_chat_eval(
     )
     texts = [(tok.decode(ids), stopped) for ids, stopped in outs]
     stopped = [st for _, st in texts]
-    good = [sft.completion_stops_and_parses(s, c, st) for s, (c, st) in zip(sigs, texts, strict=True)]
+    good = [
+        sft.completion_stops_and_parses(s, c, st) for s, (c, st) in zip(sigs, texts, strict=True)
+    ]
     pairs = tasks.instruction_pairs(files, max_chars=1 << 30)
     if len(pairs) > args.chat_eval_prompts:
         picks = np.linspace(0, len(pairs) - 1, args.chat_eval_prompts).round().astype(int)
@@ -1347,21 +1349,6 @@ def stop_and_chat_eval(
                      zip(sigs[:5], texts[:5], strict=True)],
         "chat_examples": [{"user": p.user, "reply": r, "stopped": st} for p, (r, st) in
                           zip(pairs[:5], replies[:5], strict=True)],
-    }
-
-
-def choose_penalty(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The penalty whose held-out score (mean of stop-and-parse, chat function and chat stop
-    shares) is highest; a tie keeps the smaller penalty (1.0: none)."""
-    def score(r: dict[str, Any]) -> float:
-        return (r["stop_and_parse_share"] + r["chat_function_share"] + r["chat_stop_share"]) / 3
-
-    best = max(sorted(results, key=lambda r: r["repetition_penalty"]), key=score)
-    return {
-        "chosen": best["repetition_penalty"],
-        "scores": {str(r["repetition_penalty"]): score(r) for r in results},
-        "rule": "max mean(stop_and_parse, chat_function, chat_stop) on held-out files; ties: "
-        "smaller penalty",
     }
 
 
@@ -1419,8 +1406,9 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
         "kvserve's bundled default model: a small Llama-architecture code model trained from",
         "scratch by `scripts/train_default_model.py` on Python source code, with a",
         f"speculative-decoding draft (`{names['draft']}`) and a LoRA adapter fine-tuned on test",
-        f"files (`{names['lora']}`). A demo model: it completes Python; it was not trained to",
-        "follow instructions (the chat template only frames turns). Training text: CPython's",
+        f"files (`{names['lora']}`). A demo model: it completes Python, ends a completed top-level",
+        "function with <|eos|>, and answers a one-line request (a docstring summary, with or",
+        "without the signature) with a function in the chat template. Training text: CPython's",
         "standard library (PSF license)"
         + (", " + ", ".join(packages) + " (BSD)" if packages else "")
         + ".",
@@ -1475,10 +1463,13 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
         f"{metrics['seed']}; torch {metrics['torch_version']}, transformers "
         f"{metrics['transformers_version']}. Exact settings: train_log.json.",
         "",
+        task_text(metrics, corpus_info.get("tasks") or {}),
+        "",
         "## Evaluation (held-out files, never trained on)",
         "",
         "| metric | value |",
         "|---|---:|",
+        *task_rows(metrics),
         f"| target held-out loss / perplexity | {fmt(t.get('heldout_loss'))} / "
         f"{fmt(t.get('heldout_ppl'), 2)} |",
         f"| draft held-out loss / perplexity | {fmt(d.get('heldout_loss'))} / "
@@ -1518,6 +1509,44 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
         "",
     ]
     return "\n".join(lines)
+
+
+def task_text(metrics: dict[str, Any], info: dict[str, Any]) -> str:
+    """The model card's paragraph on issue 28's stop examples and chat stage."""
+    sft_log = metrics["target"].get("sft") or {}
+    settings = sft_log.get("settings") or {}
+    return (
+        f"Stopping: {info.get('stop_examples', 0):,} top-level functions and classes of the "
+        f"train split (cut where `ast` ends them, {info.get('stop_tokens', 0):,} tokens), each "
+        "`<|bos|> unit <|eos|>`, are appended to the train stream, and "
+        f"{metrics.get('unit_window_share', 0):.0%} of the windows start at one. Answering: "
+        f"{info.get('chat_train_pairs', 0):,} chat pairs from the train split's top-level "
+        "functions (user: the docstring's summary line, with the signature for half of them; "
+        "assistant: the function), rendered with the chat template, then a chat stage of "
+        f"{sft_log.get('steps', 0)} steps (loss on the assistant's tokens only, plus "
+        f"{settings.get('lm_weight', 0)} x one pre-training batch per step; chat val loss "
+        f"{fmt(sft_log.get('chat_val_loss_before'))} -> {fmt(sft_log.get('best_chat_val_loss'))})"
+        "; the draft takes the same stage after its distillation. <|end|> is an eos_token_id "
+        "beside <|eos|>, so a chat reply stops at the end of its turn."
+    )
+
+
+def task_rows(metrics: dict[str, Any]) -> list[str]:
+    """Evaluation rows of issue 28 at the chosen repetition penalty, and the choice."""
+    defaults = metrics.get("generation_defaults") or {}
+    runs = {r["repetition_penalty"]: r for r in metrics.get("stop_and_chat") or []}
+    r = runs.get(defaults.get("chosen", 1.0)) or {}
+    scores = ", ".join(f"{p}: {fmt(v)}" for p, v in (defaults.get("scores") or {}).items())
+    return [
+        f"| greedy completions of {r.get('signatures', '?')} held-out signatures that stop "
+        f"with <|eos|> within {r.get('max_new_tokens', '?')} tokens / of those, valid Python | "
+        f"{fmt(r.get('stop_share'))} / {fmt(r.get('parse_share_of_stopped'))} |",
+        f"| chat replies to {r.get('chat_prompts', '?')} held-out docstring requests holding "
+        f"a parsable def / stopping on their own | {fmt(r.get('chat_function_share'))} / "
+        f"{fmt(r.get('chat_stop_share'))} |",
+        f"| generation_config repetition_penalty (score per candidate: {scores}) | "
+        f"{defaults.get('chosen', 'n/a')} |",
+    ]
 
 
 def docstring_text(info: dict[str, Any]) -> str:
@@ -2143,7 +2172,7 @@ def evaluate_all(
     ]
     runs = [r for r in runs if r is not None]
     res["stop_and_chat"] = runs
-    res["generation_defaults"] = choose_penalty(runs) if runs else None
+    res["generation_defaults"] = sft.choose_penalty(runs) if runs else None
     return res
 
 
@@ -2203,6 +2232,7 @@ def main(argv: list[str] | None = None) -> int:
         "dropout": args.dropout,
         "max_epochs": args.max_epochs,
         "bos_window_share": args.bos_window_share,
+        "unit_window_share": args.unit_window_share,
         "precision": "bf16 autocast" if device.type == "cuda" else "float32",
         "eval_s": eval_s,
         "total_s": deadline.elapsed(),

@@ -128,6 +128,7 @@ def test_instruction_pairs(tasks: ModuleType) -> None:
     assert 0 < sum(flags) < len(flags)  # both forms occur
 
 
+@pytest.mark.slow  # imports the training script (transformers): ~10 s, more on a busy CPU
 def test_chat_examples_mask_all_but_the_assistant(tasks: ModuleType, tdm: ModuleType) -> None:
     tok = tdm.train_tokenizer([SOURCE] * 5, 300)
     render = tdm.chat_renderer(tok)
@@ -193,11 +194,11 @@ def test_generate_until_equals_unbatched_greedy(sft: ModuleType) -> None:
     assert all(ids == [] and st for ids, st in stopped)
 
 
-def test_choose_penalty_prefers_the_score_then_the_smaller(tdm: ModuleType) -> None:
+def test_choose_penalty_prefers_the_score_then_the_smaller(sft: ModuleType) -> None:
     def run(p: float, a: float) -> dict[str, float]:
         return {"repetition_penalty": p, "stop_and_parse_share": a, "chat_function_share": a,
                 "chat_stop_share": a}
 
-    assert tdm.choose_penalty([run(1.0, 0.2), run(1.1, 0.5), run(1.3, 0.4)])["chosen"] == 1.1
-    assert tdm.choose_penalty([run(1.3, 0.5), run(1.0, 0.5)])["chosen"] == 1.0
-    assert np.isclose(tdm.choose_penalty([run(1.0, 0.3)])["scores"]["1.0"], 0.3)
+    assert sft.choose_penalty([run(1.0, 0.2), run(1.1, 0.5), run(1.3, 0.4)])["chosen"] == 1.1
+    assert sft.choose_penalty([run(1.3, 0.5), run(1.0, 0.5)])["chosen"] == 1.0
+    assert np.isclose(sft.choose_penalty([run(1.0, 0.3)])["scores"]["1.0"], 0.3)
