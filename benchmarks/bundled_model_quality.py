@@ -66,7 +66,7 @@ def kvserve_generator(args: argparse.Namespace) -> Any:
 
     def run(prompts: list[str] | None, chats: list[list[dict[str, str]]] | None) -> list[Any]:
         outs = (llm.generate(prompts, params, use_tqdm=False) if prompts is not None
-                else llm.chat(chats, params, use_tqdm=False))
+                else llm.chat(chats or [], params, use_tqdm=False))
         return [(o.outputs[0].text, o.outputs[0].finish_reason == "stop",
                  len(o.outputs[0].token_ids)) for o in outs]
 
@@ -82,7 +82,7 @@ def transformers_generator(args: argparse.Namespace) -> Any:
     sft = sys.modules["default_model_sft"]
     tdm = sys.modules["train_default_model"]
     tok = Tokenizer.from_file(str(args.model / "tokenizer.json"))
-    model = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32)
+    model: Any = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32)
     model = model.to(torch.device(args.device))
     eos = model.config.eos_token_id
     stop_ids = set(eos if isinstance(eos, list) else [eos])
@@ -157,7 +157,8 @@ def torch_scores(args: argparse.Namespace, files: list[tuple[str, str]]) -> dict
     for key, path in (("target", args.model), ("draft", args.draft)):
         if path is None:
             continue
-        model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
+        model: Any = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model = model.to(device)
         models[key] = model
         t0 = time.monotonic()
         nats, count, num_bytes = tdm.eval_sums(

@@ -113,7 +113,8 @@ def generate_until(
     position ids skip the padding), decoded with transformers' KV cache."""
     model.eval()
     device = next(model.parameters()).device
-    vocab = model.get_output_embeddings().weight.shape[0]
+    config: Any = model.config  # a transformers causal LM
+    vocab = int(config.vocab_size)
     stops = torch.tensor(sorted(stop_ids), device=device)
     results: list[tuple[list[int], bool]] = []
     for first in range(0, len(prompts), batch_size):

@@ -706,7 +706,7 @@ def build_model(size: ModelSize, vocab_size: int, max_pos: int, tok: Tokenizer) 
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         bos_token_id=tok.token_to_id(BOS),
-        eos_token_id=[tok.token_to_id(EOS), tok.token_to_id("<|end|>")],  # <|end|>: chat turns
+        eos_token_id=[tok.token_to_id(EOS), tok.token_to_id("<|end|>")],  # type: ignore[list-item]
         pad_token_id=tok.token_to_id(PAD),
         attn_implementation="sdpa",
     )
