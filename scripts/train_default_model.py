@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Train kvserve's bundled code-model family: tokenizer, target, draft and LoRA adapter.
 
-Owns the whole pipeline of issue 3, from reading the Python standard library of the
+Owns the whole pipeline of issues 3 and 28, from reading the Python standard library of the
 interpreter that runs it to writing three Hugging Face directories, a model card and JSON
 logs. It must not import kvserve (it runs on a bare training machine) and never touches
 the network. Every phase is time-budgeted so that the full run fits one 10-minute command
 on one H100; `--tiny` shrinks everything so the unit test runs it on a CPU in seconds.
 
     python scripts/train_default_model.py --out runs/default-model --packages torch,numpy
-        # one H100 or H200: about 7 minutes; without --packages: the stdlib alone
+        # one H100 or H200: about 9 minutes; without --packages: the stdlib alone
     python scripts/train_default_model.py --tiny --out /tmp/tinyrun         # CPU, ~20 s
 
 By default (`--docstrings summary`) every multi-line docstring of the training files is
@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,11 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the two sibling modules below
+import default_model_sft as sft
+import default_model_tasks as tasks
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 CHAT_TOKENS = ["<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
@@ -140,8 +144,8 @@ FULL_PRESET: dict[str, Any] = {
     "target_minutes": 4.0,
     "draft_minutes": 1.5,
     "lora_minutes": 0.5,
-    "time_limit_minutes": 8.5,
-    "eval_reserve_s": 60.0,
+    "time_limit_minutes": 9.5,  # one 10-minute command
+    "eval_reserve_s": 90.0,
     "max_steps": 1_000_000,
     "max_files": 0,
     "lora_max_mb": 6.0,
@@ -164,6 +168,20 @@ FULL_PRESET: dict[str, Any] = {
     "sample_new_tokens": 48,
     "log_every_s": 15.0,
     "cpu_threads": 0,  # 0: torch's default (and one docstring worker per core, up to 16)
+    # issue 28: stop examples (top-level units + <|eos|>) and the chat stage
+    "stop_share": 0.3,  # stop-example tokens appended to the train stream, x its file tokens
+    "unit_window_share": 0.25,  # training windows that start at a stop example's <|bos|>
+    "sft_minutes": 0.75,
+    "draft_sft_minutes": 0.25,
+    "sft_lr": 5e-4,
+    "sft_batch_size": 32,
+    "sft_max_steps": 600,
+    "sft_lm_weight": 0.5,  # x the pre-training loss of one batch per chat step
+    "sft_max_chars": 3000,  # longest function kept as a chat answer
+    "sft_max_tokens": 512,  # longest chat example (template, request and answer)
+    "stop_eval_new_tokens": 256,
+    "chat_eval_prompts": 100,
+    "chat_eval_new_tokens": 256,
 }
 TINY_PRESET: dict[str, Any] = {
     **FULL_PRESET,
@@ -193,6 +211,15 @@ TINY_PRESET: dict[str, Any] = {
     "sample_new_tokens": 12,
     "log_every_s": 2.0,
     "cpu_threads": 1,  # tiny ops on a busy 2-core CI machine: extra threads only spin
+    "sft_minutes": 0.1,
+    "draft_sft_minutes": 0.05,
+    "sft_batch_size": 4,
+    "sft_max_steps": 4,
+    "sft_max_chars": 600,
+    "sft_max_tokens": 256,
+    "stop_eval_new_tokens": 12,
+    "chat_eval_prompts": 4,
+    "chat_eval_new_tokens": 12,
 }
 
 
@@ -215,6 +242,7 @@ class PhaseSpec:
     distill_weight: float = 0.0
     dropout: float = 0.0  # residual dropout on attention and MLP outputs, training only
     bos_window_share: float = 0.0  # windows that start <|bos|> + a mid-file top-level line
+    unit_window_share: float = 0.0  # windows that start at a stop example (issue 28)
 
 
 class Deadline:
@@ -678,7 +706,7 @@ def build_model(size: ModelSize, vocab_size: int, max_pos: int, tok: Tokenizer) 
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         bos_token_id=tok.token_to_id(BOS),
-        eos_token_id=tok.token_to_id(EOS),
+        eos_token_id=[tok.token_to_id(EOS), tok.token_to_id("<|end|>")],  # type: ignore[list-item]
         pad_token_id=tok.token_to_id(PAD),
         attn_implementation="sdpa",
     )
@@ -725,12 +753,15 @@ def batch_iterator(
     seed: int,
     bos_id: int,
     starts_at_lines: torch.Tensor | None = None,
+    unit_starts: torch.Tensor | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Random windows of seq_len + 1 tokens from a device-resident stream, seeded.
 
     A share of the windows (spec.bos_window_share) starts with <|bos|> followed by a
     top-level line from the middle of a file: that is what a prompt such as
-    `<|bos|>def fibonacci(n):` looks like, while files themselves rarely begin that way."""
+    `<|bos|>def fibonacci(n):` looks like, while files themselves rarely begin that way.
+    The next spec.unit_window_share start at a stop example's own <|bos|> (unit_starts:
+    `<|bos|> def ... <|eos|>` appended to the stream), so the model sees such a prompt end."""
     device = stream.device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
@@ -741,6 +772,10 @@ def batch_iterator(
     num_bos = round(spec.bos_window_share * spec.batch_size)
     if starts_at_lines is None or starts_at_lines.numel() == 0:
         num_bos = 0
+    num_unit = round(spec.unit_window_share * spec.batch_size)
+    if unit_starts is None or unit_starts.numel() == 0:
+        num_unit = 0
+    num_unit = min(num_unit, spec.batch_size - num_bos)
     while True:
         starts = torch.randint(0, high, (spec.batch_size,), device=device, generator=gen)
         if num_bos and starts_at_lines is not None:
@@ -748,6 +783,9 @@ def batch_iterator(
                 0, starts_at_lines.numel(), (num_bos,), device=device, generator=gen
             )
             starts[:num_bos] = starts_at_lines[pick] - 1  # the newline token becomes <|bos|>
+        if num_unit and unit_starts is not None:
+            pick = torch.randint(0, unit_starts.numel(), (num_unit,), device=device, generator=gen)
+            starts[num_bos : num_bos + num_unit] = unit_starts[pick].clamp(max=high - 1)
         window = stream[starts[:, None] + offsets[None, :]]  # [batch, seq_len + 1]
         if num_bos:
             window[:num_bos, 0] = bos_id
@@ -885,6 +923,7 @@ def train_phase(
     bos_id: int,
     teacher: nn.Module | None = None,
     starts_at_lines: torch.Tensor | None = None,
+    unit_starts: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Train until the time budget or max_steps; keep the weights with the best val loss."""
     seed_everything(seed)
@@ -892,7 +931,7 @@ def train_phase(
     model.train()
     opt = make_optimizer(model, spec, train_stream.device)
     params = [p for p in model.parameters() if p.requires_grad]
-    batches = batch_iterator(train_stream, spec, seed, bos_id, starts_at_lines)
+    batches = batch_iterator(train_stream, spec, seed, bos_id, starts_at_lines, unit_starts)
     history: list[dict[str, float]] = []
     best: dict[str, Any] = {"val_loss": float("inf"), "step": 0, "state": None}
     loss_sum, loss_count, step = torch.zeros((), device=train_stream.device), 0, 0
@@ -1262,6 +1301,67 @@ def acceptance_rate(
     }
 
 
+def stop_and_chat_eval(
+    model: nn.Module,
+    tok: Tokenizer,
+    render: Callable[[list[dict[str, str]], bool], list[int]],
+    files: list[tuple[str, str]],
+    args: argparse.Namespace,
+    penalty: float,
+) -> dict[str, Any]:
+    """Issue 28's targets on held-out files, greedy with this repetition penalty: signature
+    completions that stop (<|eos|> or <|end|>) within stop_eval_new_tokens and parse, and
+    chat replies to held-out docstring requests that hold a parsable def and stop."""
+    stop_ids = {tok.token_to_id(EOS), tok.token_to_id("<|end|>")}
+    pad = tok.token_to_id(PAD)
+    sigs = heldout_signatures(files, args.eval_prompts)
+    outs = sft.generate_until(
+        model, [tok.encode(s + "\n").ids for s in sigs], args.stop_eval_new_tokens,
+        stop_ids, penalty, pad,  # type: ignore[arg-type]  # special tokens: never None
+    )
+    texts = [(tok.decode(ids), stopped) for ids, stopped in outs]
+    stopped = [st for _, st in texts]
+    good = [
+        sft.completion_stops_and_parses(s, c, st) for s, (c, st) in zip(sigs, texts, strict=True)
+    ]
+    pairs = tasks.instruction_pairs(files, max_chars=1 << 30)
+    if len(pairs) > args.chat_eval_prompts:
+        picks = np.linspace(0, len(pairs) - 1, args.chat_eval_prompts).round().astype(int)
+        pairs = [pairs[i] for i in picks]
+    chat_outs = sft.generate_until(
+        model, [render([{"role": "user", "content": p.user}], True) for p in pairs],
+        args.chat_eval_new_tokens, stop_ids, penalty, pad,  # type: ignore[arg-type]
+    )
+    replies = [(tok.decode(ids), st) for ids, st in chat_outs]
+    has_fn = [sft.reply_has_function(r) for r, _ in replies]
+    return {
+        "repetition_penalty": penalty,
+        "signatures": len(sigs),
+        "max_new_tokens": args.stop_eval_new_tokens,
+        "stop_share": sft.share(stopped),
+        "parse_share_of_stopped": sum(good) / max(sum(stopped), 1),
+        "stop_and_parse_share": sft.share(good),
+        "chat_prompts": len(pairs),
+        "chat_max_new_tokens": args.chat_eval_new_tokens,
+        "chat_function_share": sft.share(has_fn),
+        "chat_stop_share": sft.share([st for _, st in replies]),
+        "examples": [{"signature": s, "completion": c, "stopped": st} for s, (c, st) in
+                     zip(sigs[:5], texts[:5], strict=True)],
+        "chat_examples": [{"user": p.user, "reply": r, "stopped": st} for p, (r, st) in
+                          zip(pairs[:5], replies[:5], strict=True)],
+    }
+
+
+def write_generation_defaults(model_dir: Path, penalty: float) -> None:
+    """Add the chosen repetition penalty to generation_config.json (only when not 1.0)."""
+    path = model_dir / "generation_config.json"
+    gen = json.loads(path.read_text())
+    gen.pop("repetition_penalty", None)
+    if penalty != 1.0:
+        gen["repetition_penalty"] = penalty
+    path.write_text(json.dumps(gen, indent=2) + "\n")
+
+
 def run_guarded(name: str, fn: Callable[[], Any], errors: dict[str, str]) -> Any:
     """One evaluation; a failure is logged and recorded instead of losing the trained models."""
     t0 = time.monotonic()
@@ -1306,8 +1406,9 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
         "kvserve's bundled default model: a small Llama-architecture code model trained from",
         "scratch by `scripts/train_default_model.py` on Python source code, with a",
         f"speculative-decoding draft (`{names['draft']}`) and a LoRA adapter fine-tuned on test",
-        f"files (`{names['lora']}`). A demo model: it completes Python; it was not trained to",
-        "follow instructions (the chat template only frames turns). Training text: CPython's",
+        f"files (`{names['lora']}`). A demo model: it completes Python, ends a completed top-level",
+        "function with <|eos|>, and answers a one-line request (a docstring summary, with or",
+        "without the signature) with a function in the chat template. Training text: CPython's",
         "standard library (PSF license)"
         + (", " + ", ".join(packages) + " (BSD)" if packages else "")
         + ".",
@@ -1362,10 +1463,13 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
         f"{metrics['seed']}; torch {metrics['torch_version']}, transformers "
         f"{metrics['transformers_version']}. Exact settings: train_log.json.",
         "",
+        task_text(metrics, corpus_info.get("tasks") or {}),
+        "",
         "## Evaluation (held-out files, never trained on)",
         "",
         "| metric | value |",
         "|---|---:|",
+        *task_rows(metrics),
         f"| target held-out loss / perplexity | {fmt(t.get('heldout_loss'))} / "
         f"{fmt(t.get('heldout_ppl'), 2)} |",
         f"| draft held-out loss / perplexity | {fmt(d.get('heldout_loss'))} / "
@@ -1405,6 +1509,44 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
         "",
     ]
     return "\n".join(lines)
+
+
+def task_text(metrics: dict[str, Any], info: dict[str, Any]) -> str:
+    """The model card's paragraph on issue 28's stop examples and chat stage."""
+    sft_log = metrics["target"].get("sft") or {}
+    settings = sft_log.get("settings") or {}
+    return (
+        f"Stopping: {info.get('stop_examples', 0):,} top-level functions and classes of the "
+        f"train split (cut where `ast` ends them, {info.get('stop_tokens', 0):,} tokens), each "
+        "`<|bos|> unit <|eos|>`, are appended to the train stream, and "
+        f"{metrics.get('unit_window_share', 0):.0%} of the windows start at one. Answering: "
+        f"{info.get('chat_train_pairs', 0):,} chat pairs from the train split's top-level "
+        "functions (user: the docstring's summary line, with the signature for half of them; "
+        "assistant: the function), rendered with the chat template, then a chat stage of "
+        f"{sft_log.get('steps', 0)} steps (loss on the assistant's tokens only, plus "
+        f"{settings.get('lm_weight', 0)} x one pre-training batch per step; chat val loss "
+        f"{fmt(sft_log.get('chat_val_loss_before'))} -> {fmt(sft_log.get('best_chat_val_loss'))})"
+        "; the draft takes the same stage after its distillation. <|end|> is an eos_token_id "
+        "beside <|eos|>, so a chat reply stops at the end of its turn."
+    )
+
+
+def task_rows(metrics: dict[str, Any]) -> list[str]:
+    """Evaluation rows of issue 28 at the chosen repetition penalty, and the choice."""
+    defaults = metrics.get("generation_defaults") or {}
+    runs = {r["repetition_penalty"]: r for r in metrics.get("stop_and_chat") or []}
+    r = runs.get(defaults.get("chosen", 1.0)) or {}
+    scores = ", ".join(f"{p}: {fmt(v)}" for p, v in (defaults.get("scores") or {}).items())
+    return [
+        f"| greedy completions of {r.get('signatures', '?')} held-out signatures that stop "
+        f"with <|eos|> within {r.get('max_new_tokens', '?')} tokens / of those, valid Python | "
+        f"{fmt(r.get('stop_share'))} / {fmt(r.get('parse_share_of_stopped'))} |",
+        f"| chat replies to {r.get('chat_prompts', '?')} held-out docstring requests holding "
+        f"a parsable def / stopping on their own | {fmt(r.get('chat_function_share'))} / "
+        f"{fmt(r.get('chat_stop_share'))} |",
+        f"| generation_config repetition_penalty (score per candidate: {scores}) | "
+        f"{defaults.get('chosen', 'n/a')} |",
+    ]
 
 
 def docstring_text(info: dict[str, Any]) -> str:
@@ -1482,6 +1624,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the body; val and held-out files stay as written. keep: train on them as written",
     )
     p.add_argument(
+        "--repetition-penalties",
+        default="1.0,1.1,1.3",
+        help="repetition penalties the held-out stop/chat evaluation compares; the best goes "
+        "into generation_config.json (1.0: none)",
+    )
+    p.add_argument(
         "--packages",
         default="",
         help="comma-separated installed packages whose .py files join the training "
@@ -1504,6 +1652,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "draft_dropout",
         "max_epochs",
         "log_every_s",
+        "stop_share",
+        "unit_window_share",
+        "sft_minutes",
+        "draft_sft_minutes",
+        "sft_lr",
+        "sft_lm_weight",
     ]
     ints = [
         "max_steps",
@@ -1520,6 +1674,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "alpha_windows",
         "sample_new_tokens",
         "cpu_threads",
+        "sft_batch_size",
+        "sft_max_steps",
+        "sft_max_chars",
+        "sft_max_tokens",
+        "stop_eval_new_tokens",
+        "chat_eval_prompts",
+        "chat_eval_new_tokens",
     ]
     for name in floats + ints:
         p.add_argument(
@@ -1648,6 +1809,71 @@ def prepare_data(
     return corpus, tok, streams, corpus_info
 
 
+def chat_renderer(tok: Tokenizer) -> Callable[[list[dict[str, str]], bool], list[int]]:
+    """messages, add_generation_prompt -> token ids through the CHAT_TEMPLATE the tokenizer
+    directory carries (rendered by transformers' jinja, exactly as a server renders it)."""
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    hf.chat_template = CHAT_TEMPLATE
+
+    def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        text = hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return tok.encode(str(text), add_special_tokens=False).ids
+
+    return render
+
+
+def build_task_data(
+    args: argparse.Namespace, tok: Tokenizer, corpus: Corpus, streams: dict[str, np.ndarray]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Issue 28's data: stop examples from the train split appended to its stream (a
+    hash-ordered subset of at most stop_share x the file tokens, each at most seq_len
+    tokens, their <|bos|> offsets kept), and chat examples of the train / val functions
+    (held-out ones are only evaluated). Returns (data, info for corpus.json)."""
+    eos_id: int = tok.token_to_id(EOS)  # type: ignore[assignment]  # special: never None
+    units = tasks.stop_examples(corpus.splits["train"], max_chars=args.seq_len * 8)
+    units.sort(key=lambda u: (path_hash("unit:" + u), u))
+    encode = lambda texts: [e.ids for e in tok.encode_batch(texts)]  # noqa: E731
+    stop_stream, starts = tasks.encode_examples(encode, units, eos_id, args.seq_len)
+    budget = int(args.stop_share * streams["train"].size)
+    keep = int(np.searchsorted(starts, budget, side="right")) if budget > 0 else 0
+    end = int(starts[keep]) if keep < starts.size else stop_stream.size
+    stop_stream, starts = stop_stream[:end], starts[:keep]
+    render = chat_renderer(tok)
+    chat = {
+        split: [
+            tasks.chat_example(render, pair)
+            for pair in tasks.instruction_pairs(corpus.splits[split], args.sft_max_chars)
+        ]
+        for split in ("train", "val")
+    }
+    chat = {k: [ex for ex in v if len(ex[0]) <= args.sft_max_tokens] for k, v in chat.items()}
+    if not chat["train"]:
+        raise SystemExit("no chat examples: no train-split function has a docstring summary")
+    data = {
+        "stop_stream": stop_stream,
+        "unit_starts": starts + streams["train"].size,
+        "chat_train": chat["train"],
+        "chat_val": chat["val"] or chat["train"][:8],
+        "render": render,
+        "bos_id": tok.token_to_id(BOS),
+        "pad_id": tok.token_to_id(PAD),
+    }
+    info = {
+        "stop_examples": int(starts.size),
+        "stop_tokens": int(stop_stream.size),
+        "stop_units_found": len(units),
+        "chat_train_pairs": len(chat["train"]),
+        "chat_val_pairs": len(chat["val"]),
+        "chat_train_assistant_tokens": sum(
+            sum(t != IGNORE_INDEX for t in lab) for _, lab in chat["train"]
+        ),
+    }
+    log(f"task data: {json.dumps(info)}")
+    return data, info
+
+
 def phase_spec(
     args: argparse.Namespace,
     name: str,
@@ -1676,6 +1902,7 @@ def phase_spec(
         distill_weight=distill,
         dropout=dropout,
         bos_window_share=args.bos_window_share,
+        unit_window_share=args.unit_window_share,
     )
 
 
@@ -1696,19 +1923,24 @@ def train_base_model(
     deadline: Deadline,
     out: Path,
     teacher: nn.Module | None,
+    task: dict[str, Any],
 ) -> tuple[LlamaForCausalLM, dict[str, Any], str]:
-    """Train the target (teacher None) or the draft; round to bf16 and write its directory."""
+    """Train the target (teacher None) or the draft, then its chat stage; round to bf16 and
+    write its directory."""
     is_target = teacher is None
     size: ModelSize = args.target if is_target else args.draft
     own = args.target_minutes if is_target else args.draft_minutes
-    later = args.draft_minutes + args.lora_minutes if is_target else args.lora_minutes
+    own_sft = args.sft_minutes if is_target else args.draft_sft_minutes
+    later = args.draft_sft_minutes + args.lora_minutes
+    if is_target:
+        later += args.sft_minutes + args.draft_minutes
     seed_everything(args.seed + (0 if is_target else 1))
     model = build_model(size, args.vocab_size, MAX_POSITIONS, tok).to(torch.device(args.device))
     spec = phase_spec(
         args,
         key,
         args.target_lr if is_target else args.draft_lr,
-        budget_s(deadline, own, later, args.eval_reserve_s),
+        budget_s(deadline, own, later + own_sft, args.eval_reserve_s),
         dev["train"].numel(),
         distill=0.0 if is_target else args.distill_weight,
         dropout=args.dropout if is_target else args.draft_dropout,
@@ -1727,6 +1959,11 @@ def train_base_model(
         tok.token_to_id(BOS),
         teacher=teacher,
         starts_at_lines=dev["train_line_starts"],
+        unit_starts=dev["train_unit_starts"],
+    )
+    sft_spec = replace(spec, name=f"{key}_sft_lm", distill_weight=0.0, dropout=0.0)
+    phase_log["sft"] = chat_stage(
+        args, model, sft_spec, task, dev, budget_s(deadline, own_sft, later, args.eval_reserve_s)
     )
     round_to_bf16(model)
     phase_log.update(num_params=num_params(model), size=asdict(size))
@@ -1734,6 +1971,46 @@ def train_base_model(
     save_model_dir(model, out / name, tok)
     log(f"wrote {out / name}")
     return model, phase_log, name
+
+
+def chat_stage(
+    args: argparse.Namespace,
+    model: nn.Module,
+    lm_spec: PhaseSpec,
+    task: dict[str, Any],
+    dev: dict[str, torch.Tensor],
+    budget: float,
+) -> dict[str, Any]:
+    """The short supervised chat stage (default_model_sft.sft_stage) on the chat examples,
+    each step mixed with one pre-training batch of the same stream (files + stop examples)."""
+    device = torch.device(args.device)
+    bos_id = task["bos_id"]
+    lm_batches = batch_iterator(
+        dev["train"], lm_spec, args.seed + 30, bos_id, dev["train_line_starts"],
+        dev["train_unit_starts"],
+    )
+    settings = {
+        "lr": args.sft_lr,
+        "max_steps": args.sft_max_steps,
+        "budget_s": budget,
+        "warmup_steps": max(1, args.sft_max_steps // 20),
+        "lm_weight": args.sft_lm_weight,
+        "eval_every": max(1, args.sft_max_steps // 6),
+        "pad_id": task["pad_id"],
+        "batch_size": args.sft_batch_size,
+    }
+    draw = tasks.sft_batches(task["chat_train"], args.sft_batch_size, settings["pad_id"], args.seed)
+
+    def lm_loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return token_loss(m(input_ids=x).logits, y, bos_id)
+
+    log(f"{lm_spec.name.removesuffix('_lm')}: budget {budget:.0f}s, at most {args.sft_max_steps} "
+        f"steps, {len(task['chat_train'])} chat examples")
+    result = sft.sft_stage(
+        model, draw, lm_batches, lm_loss, task["chat_val"], settings, log,
+        lambda: autocast(device),
+    )
+    return {**result, "settings": {k: v for k, v in settings.items() if k != "pad_id"}}
 
 
 def train_lora(
@@ -1785,17 +2062,19 @@ def train_models(
     dev: dict[str, torch.Tensor],
     deadline: Deadline,
     out: Path,
+    task: dict[str, Any],
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
-    """Target, then draft (distilled from the target), then the LoRA adapter; each is written
-    as soon as it is trained so that a late failure still leaves it on disk."""
+    """Target (pre-training, then its chat stage), then the draft (distilled from that
+    target, then the same chat stage), then the LoRA adapter of the final target; each is
+    written as soon as it is trained so that a late failure still leaves it on disk."""
     mods: dict[str, Any] = {}
     logs: dict[str, Any] = {}
     names: dict[str, str] = {}
     mods["target"], logs["target"], names["target"] = train_base_model(
-        args, "target", tok, dev, deadline, out, teacher=None
+        args, "target", tok, dev, deadline, out, teacher=None, task=task
     )
     mods["draft"], logs["draft"], names["draft"] = train_base_model(
-        args, "draft", tok, dev, deadline, out, teacher=mods["target"]
+        args, "draft", tok, dev, deadline, out, teacher=mods["target"], task=task
     )
     lora_model, wrapped, logs["lora"], names["lora"] = train_lora(
         args, mods["target"], tok, dev, deadline, out, names["target"]
@@ -1811,6 +2090,7 @@ def evaluate_all(
     corpus: Corpus,
     dev: dict[str, torch.Tensor],
     errors: dict[str, str],
+    task: dict[str, Any],
 ) -> dict[str, Any]:
     device = torch.device(args.device)
     bos_id: int = tok.token_to_id(BOS)  # type: ignore[assignment]  # a special token: never None
@@ -1879,6 +2159,20 @@ def evaluate_all(
         ]
 
     res["samples"] = run_guarded("samples", samples, errors)
+    penalties = [float(x) for x in args.repetition_penalties.split(",") if x.strip()]
+    runs = [
+        run_guarded(
+            f"stop_and_chat_{p}",
+            functools.partial(
+                stop_and_chat_eval, target, tok, task["render"], corpus.splits["heldout"], args, p
+            ),
+            errors,
+        )
+        for p in penalties
+    ]
+    runs = [r for r in runs if r is not None]
+    res["stop_and_chat"] = runs
+    res["generation_defaults"] = sft.choose_penalty(runs) if runs else None
     return res
 
 
@@ -1903,16 +2197,24 @@ def main(argv: list[str] | None = None) -> int:
     log(f"device {device} ({device_name}), torch {torch.__version__}, python {python}")
 
     corpus, tok, streams, corpus_info = prepare_data(args, deadline)
+    task, corpus_info["tasks"] = build_task_data(args, tok, corpus, streams)
     (out / "corpus.json").write_text(json.dumps(corpus_info, indent=2) + "\n")
+    file_tokens = streams["train"].size
+    streams["train"] = np.concatenate([streams["train"], task["stop_stream"]])
     dev = {k: torch.from_numpy(v.astype(np.int64)).to(device) for k, v in streams.items()}
     for name in ("train", "lora_train"):
         starts = line_starts(streams[name], tok, args.seq_len)
+        starts = starts[starts < file_tokens] if name == "train" else starts
         dev[f"{name}_line_starts"] = torch.from_numpy(starts).to(device)
+    dev["train_unit_starts"] = torch.from_numpy(task["unit_starts"]).to(device)
 
-    mods, logs, names = train_models(args, tok, dev, deadline, out)
+    mods, logs, names = train_models(args, tok, dev, deadline, out, task)
     errors: dict[str, str] = {}
     t0 = time.monotonic()
-    results = evaluate_all(args, mods, tok, corpus, dev, errors)
+    results = evaluate_all(args, mods, tok, corpus, dev, errors, task)
+    chosen = (results.get("generation_defaults") or {}).get("chosen", 1.0)
+    for key in ("target", "draft"):
+        write_generation_defaults(out / names[key], chosen)
     eval_s = time.monotonic() - t0
 
     metrics: dict[str, Any] = {
@@ -1930,6 +2232,7 @@ def main(argv: list[str] | None = None) -> int:
         "dropout": args.dropout,
         "max_epochs": args.max_epochs,
         "bos_window_share": args.bos_window_share,
+        "unit_window_share": args.unit_window_share,
         "precision": "bf16 autocast" if device.type == "cuda" else "float32",
         "eval_s": eval_s,
         "total_s": deadline.elapsed(),

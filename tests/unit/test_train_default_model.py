@@ -1,6 +1,7 @@
 """scripts/train_default_model.py end to end on its --tiny config (CPU, a few steps).
 
-One subprocess run writes the three directories; the tests check that transformers loads
+One subprocess run writes the three directories (pre-training, chat stage, stop examples);
+the tests check that transformers (and kvserve) loads
 the target and draft with the shared tokenizer and chat template, that the LoRA adapter is
 in PEFT's layout, and that the JSON logs and model card say what the issue asks for. The
 docstring rewrite of the training files (`--docstrings summary`) is unit-tested on its own.
@@ -417,3 +418,31 @@ def test_token_byte_lengths_spell_the_text(tdm: ModuleType) -> None:
     ids = tok.encode(texts[0]).ids  # <|bos|> first
     assert ids[0] == tok.token_to_id(tdm.BOS) and lens[ids[0]] == 0
     assert int(lens[ids].sum()) == len(texts[0].encode())
+
+
+@pytest.mark.slow
+def test_stop_and_chat_stages_and_kvserve_loads_the_target(run_dir: Path) -> None:
+    """Issue 28: stop examples and chat pairs were built, both stages ran for target and
+    draft, the penalty was chosen by the evaluation, <|end|> stops, and kvserve serves it."""
+    from kvserve import LLM, SamplingParams
+
+    corpus = json.loads((run_dir / "corpus.json").read_text())
+    assert corpus["tasks"]["stop_examples"] > 0 and corpus["tasks"]["chat_train_pairs"] > 0
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    for key in ("target", "draft"):
+        chat = metrics[key]["sft"]
+        assert chat["steps"] > 0 and chat["best_chat_val_loss"] <= chat["chat_val_loss_before"]
+    runs = metrics["stop_and_chat"]
+    assert [r["repetition_penalty"] for r in runs] == [1.0, 1.1, 1.3]
+    assert all(0 <= r["stop_share"] <= 1 and r["chat_prompts"] > 0 for r in runs)
+    chosen = metrics["generation_defaults"]["chosen"]
+    dirs = model_dirs(run_dir)
+    gen = json.loads((dirs["target"] / "generation_config.json").read_text())
+    assert gen.get("repetition_penalty", 1.0) == chosen
+    config = json.loads((dirs["target"] / "config.json").read_text())
+    assert config["eos_token_id"] == [1, 6]  # <|eos|>, and <|end|> closes a chat turn
+    llm = LLM(model=str(dirs["target"]), device="cpu", seed=0)
+    out = llm.generate(["def f(x):\n"], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    assert 1 <= len(out.outputs[0].token_ids) <= 4
+    reply = llm.chat([{"role": "user", "content": "Return x."}], SamplingParams(max_tokens=4))
+    assert reply[0].outputs[0].finish_reason in ("stop", "length")
