@@ -247,12 +247,10 @@ def lora_shrink(
         raise ValueError(f"lora_shrink: x {tuple(x.shape)} (stride 1 in K) and a contiguous "
                          f"lora_a [slices, loras, rank, {k}] needed, got {tuple(lora_a.shape)}")
     _check_buf("lora_shrink", buf, num_slices, num_tokens, rank)
-    segmented_tiles = _check_indices(num_tokens, max_loras, token_slots, sorted_ids, tiles)
+    segmented_tiles, index, table = _launch_indices(num_tokens, max_loras, token_slots,
+                                                    sorted_ids, tiles)
     if num_tokens == 0:
         return
-    index = token_slots if token_slots is not None else sorted_ids
-    assert index is not None
-    table = tiles if tiles is not None else index.view(1, -1)
     if segmented_tiles:
         block_r, block_k = _rank_block(rank), 128
         grid: tuple[int, ...] = (segmented_tiles, num_slices, SPLIT_K)
@@ -266,6 +264,18 @@ def lora_shrink(
         RANK=rank, BLOCK_M=TILE_M, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=SPLIT_K,
         SEGMENTED=bool(segmented_tiles),
     )
+
+
+def _launch_indices(num_tokens: int, max_loras: int, token_slots: torch.Tensor | None,
+                    sorted_ids: torch.Tensor | None, tiles: torch.Tensor | None
+                    ) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The checked indices as the kernels take them: the segmented form's tile
+    count (0: gathered), the token index and the tile table (the index itself,
+    one row, in the gathered form)."""
+    segmented_tiles = _check_indices(num_tokens, max_loras, token_slots, sorted_ids, tiles)
+    index = token_slots if token_slots is not None else sorted_ids
+    assert index is not None
+    return segmented_tiles, index, tiles if tiles is not None else index.view(1, -1)
 
 
 def _check_buf(name: str, buf: torch.Tensor, num_slices: int, num_tokens: int,
@@ -300,12 +310,10 @@ def lora_expand(
         raise ValueError(f"lora_expand: slices int32 [2, num_slices] needed, got "
                          f"{slices.dtype} {tuple(slices.shape)}")
     _check_buf("lora_expand", buf, num_slices, num_tokens, rank)
-    segmented_tiles = _check_indices(num_tokens, max_loras, token_slots, sorted_ids, tiles)
+    segmented_tiles, index, table = _launch_indices(num_tokens, max_loras, token_slots,
+                                                    sorted_ids, tiles)
     if num_tokens == 0:
         return
-    index = token_slots if token_slots is not None else sorted_ids
-    assert index is not None
-    table = tiles if tiles is not None else index.view(1, -1)
     block_n = 64 if segmented_tiles else 128
     num_n = triton.cdiv(max_slice_size, block_n)
     if segmented_tiles:
