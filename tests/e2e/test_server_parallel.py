@@ -66,16 +66,18 @@ async def _stream(client: httpx.AsyncClient, url: str, started: asyncio.Event
 
 
 def _fail_a_worker(server: ServerProcess, sig: int) -> tuple[int, int, list[str]]:
-    """Stream two requests, send ``sig`` to rank 1 after the first tokens; the
+    """Stream two requests, send ``sig`` to rank 1 once both have tokens; the
     /health status seen afterwards, and one stream's status and frames."""
     pid = worker_pids(server)[1]
 
     async def main() -> tuple[int, tuple[int, list[str]]]:
         async with httpx.AsyncClient(timeout=60) as client:
-            started = asyncio.Event()
-            streams = [asyncio.create_task(_stream(client, server.url, started))
-                       for _ in range(2)]
-            await asyncio.wait_for(started.wait(), 30)
+            started = [asyncio.Event() for _ in range(2)]
+            streams = [asyncio.create_task(_stream(client, server.url, event))
+                       for event in started]
+            # both streams are under way (headers sent), so each must end with
+            # an error frame rather than a plain 500
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
             os.kill(pid, sig)
             results = await asyncio.gather(*streams)
             health = (await client.get(server.url + "/health")).status_code
