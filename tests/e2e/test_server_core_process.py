@@ -105,10 +105,11 @@ def test_a_killed_core_fails_it(tiny_model: Path, tmp_path: Path) -> None:
 
         async def main() -> tuple[int, tuple[int, list[str]]]:
             async with httpx.AsyncClient(timeout=60) as client:
-                started = asyncio.Event()
-                streams = [asyncio.create_task(_stream(client, server.url, started))
-                           for _ in range(2)]
-                await asyncio.wait_for(started.wait(), 30)
+                started = [asyncio.Event() for _ in range(2)]
+                streams = [asyncio.create_task(_stream(client, server.url, event))
+                           for event in started]
+                await asyncio.wait_for(
+                    asyncio.gather(*(event.wait() for event in started)), 30)
                 os.kill(pid, signal.SIGKILL)
                 results = await asyncio.gather(*streams)
                 health = (await client.get(server.url + "/health")).status_code
