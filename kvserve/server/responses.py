@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.server.protocol import APIError, ChatCompletionRequest, validation_error
 from kvserve.server.responses_protocol import ResponsesRequest, input_messages
-from kvserve.server.serving import Job, OpenAIServing, OutputMerger, read_body
+from kvserve.server.serving import Job, OpenAIServing, SSEWriter, read_body
 from kvserve.server.state import ServerState
 from kvserve.server.tool_parsers import ToolCall
 
@@ -266,35 +266,19 @@ class ResponsesServing(OpenAIServing):
     def _api_error(self, exc: Exception, job: Job) -> APIError:
         return responses_error(super()._api_error(exc, job))
 
-    async def _stream(self, job: Job, merger: OutputMerger,
-                      first: tuple[int, RequestOutput] | None) -> AsyncGenerator[str, None]:
+    def _writer(self, job: Job) -> SSEWriter:
         assert isinstance(job, ResponsesJob)
-        events = ResponseEvents(job)
-        try:
-            for frame in events.opening():
-                yield frame
-            item = first
-            while item is not None:
-                _, output = item
-                job.timer.observe(output)
-                for frame in events.frames(output):
-                    yield frame
-                item = await merger.next()
-            assert events.response is not None, "the engine ended a request without finishing"
-            self._finish(job, events.response)
-        except Exception as exc:
-            error = self._api_error(exc, job)
-            job.timer.close("error" if error.status >= 500 else None)
-            yield events.event("error", message=error.message, code=error.body()["error"]["code"],
-                               param=error.param)
+        return ResponseEvents(job, lambda response: self._finish(job, response))
 
 
 class ResponseEvents:
     """A response's stream events: text as it comes (held back while it may
     be the start of a tool call), calls and the closing events at the end."""
 
-    def __init__(self, job: ResponsesJob) -> None:
+    def __init__(self, job: ResponsesJob,
+                 finish: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         self.job = job
+        self.finish = finish  # stores the final response
         self.sequence_number = 0
         self.num_sent_chars = 0
         self.message_open = False
@@ -328,7 +312,16 @@ class ResponseEvents:
             "response.output_text.delta", item_id=self.job.message_id, output_index=0,
             content_index=0, delta=text, logprobs=[])]
 
-    def frames(self, output: RequestOutput) -> list[str]:
+    def closing(self) -> list[str]:
+        assert self.response is not None, "the engine ended a request without finishing"
+        self.finish(self.response)
+        return []
+
+    def error(self, error: APIError) -> list[str]:
+        return [self.event("error", message=error.message, code=error.body()["error"]["code"],
+                           param=error.param)]
+
+    def frames(self, prompt_index: int, output: RequestOutput) -> list[str]:
         completion = output.outputs[0]
         text = completion.text
         if completion.finish_reason is None:
