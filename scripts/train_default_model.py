@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -228,9 +228,10 @@ TINY_PRESET: dict[str, Any] = {
 WARM_PRESET: dict[str, Any] = {
     "target_minutes": 6.0,
     "draft_minutes": 2.0,
-    "lora_minutes": 1.5,
-    "sft_minutes": 7.0,
+    "lora_minutes": 1.0,
+    "sft_minutes": 8.0,
     "draft_sft_minutes": 1.5,
+    "sft_max_tokens": 320,
     "time_limit_minutes": 35.0,
     "eval_reserve_s": 900.0,
     "batch_size": 4,
@@ -1085,6 +1086,24 @@ def peft_state_dict(wrapped: dict[str, LoRALinear]) -> dict[str, torch.Tensor]:
         tensors[f"{prefix}.lora_A.weight"] = lora.lora_A.weight.detach().float().cpu().contiguous()
         tensors[f"{prefix}.lora_B.weight"] = lora.lora_B.weight.detach().float().cpu().contiguous()
     return tensors
+
+
+def load_adapter(wrapped: dict[str, LoRALinear], adapter_dir: Path) -> None:
+    """Start the wrappers from a released PEFT adapter of the same targets, rank and alpha."""
+    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    expected = peft_state_dict(wrapped)
+    if set(tensors) != set(expected) or any(
+        tensors[k].shape != v.shape for k, v in expected.items()
+    ):
+        raise SystemExit(
+            f"--init-from: {adapter_dir} does not match --lora-targets / --lora-rank "
+            f"({len(tensors)} tensors, expected {len(expected)})"
+        )
+    with torch.no_grad():
+        for path, lora in wrapped.items():
+            prefix = f"base_model.model.{path}"
+            lora.lora_A.weight.copy_(tensors[f"{prefix}.lora_A.weight"])
+            lora.lora_B.weight.copy_(tensors[f"{prefix}.lora_B.weight"])
 
 
 def write_adapter(
@@ -2204,6 +2223,10 @@ def train_lora(
     seed_everything(args.seed + 2)
     lora_model = copy.deepcopy(target)
     wrapped = add_lora(lora_model, targets, args.lora_rank, args.lora_alpha)
+    released = None if args.init_from is None else args.init_from / name
+    if released is not None and (released / "adapter_model.safetensors").is_file():
+        load_adapter(wrapped, released)  # warm start: the released adapter, retrained below
+        log(f"lora: starting from {released}")
     spec = phase_spec(
         args,
         "lora",
