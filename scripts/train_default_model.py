@@ -2126,8 +2126,10 @@ def train_base_model(
         later += args.sft_minutes + args.draft_minutes
     seed_everything(args.seed + (0 if is_target else 1))
     if args.init_from is not None:
-        model, size = load_released_model(released_dirs(args.init_from)[key], tok)
+        released = released_dirs(args.init_from)[key]
+        model, size = load_released_model(released, tok)
         setattr(args, key, size)  # the card and train_log.json describe what was trained
+        log(f"{key}: starting from {released}")
     else:
         model = build_model(size, args.vocab_size, MAX_POSITIONS, tok)
     model = model.to(torch.device(args.device))
@@ -2227,6 +2229,8 @@ def train_lora(
     if released is not None and (released / "adapter_model.safetensors").is_file():
         load_adapter(wrapped, released)  # warm start: the released adapter, retrained below
         log(f"lora: starting from {released}")
+    else:
+        released = None
     spec = phase_spec(
         args,
         "lora",
@@ -2247,7 +2251,11 @@ def train_lora(
     )
     trainable = sum(p.numel() for p in lora_model.parameters() if p.requires_grad)
     phase_log.update(
-        num_params=trainable, targets=targets, rank=args.lora_rank, alpha=args.lora_alpha
+        num_params=trainable,
+        targets=targets,
+        rank=args.lora_rank,
+        alpha=args.lora_alpha,
+        init_from=None if released is None else str(released),
     )
     write_adapter(out / name, wrapped, targets, args.lora_rank, args.lora_alpha, target_name)
     save_tokenizer(tok, out / name)
@@ -2474,7 +2482,10 @@ def main(argv: list[str] | None = None) -> int:
         small_card(
             names["lora"],
             f"PEFT LoRA adapter (r={args.lora_rank}, alpha={args.lora_alpha}, "
-            f"{args.lora_targets}) for `{names['target']}`, fine-tuned on CPython's test files. "
+            f"{args.lora_targets}) for `{names['target']}`, fine-tuned on CPython's test files"
+            + (" (continued from the previous release's adapter)"
+               if metrics["lora"].get("init_from") else "")
+            + ". "
             f"Held-out test-file loss {fmt(metrics['lora'].get('heldout_loss_base'))} without, "
             f"{fmt(metrics['lora'].get('heldout_loss_lora'))} with the adapter.",
         )
