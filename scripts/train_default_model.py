@@ -2121,9 +2121,9 @@ def train_base_model(
     size: ModelSize = args.target if is_target else args.draft
     own = args.target_minutes if is_target else args.draft_minutes
     own_sft = args.sft_minutes if is_target else args.draft_sft_minutes
-    later = args.draft_sft_minutes + args.lora_minutes
+    later = args.lora_minutes  # the phases after this model's chat stage
     if is_target:
-        later += args.sft_minutes + args.draft_minutes
+        later += args.draft_minutes + args.draft_sft_minutes
     seed_everything(args.seed + (0 if is_target else 1))
     if args.init_from is not None:
         released = released_dirs(args.init_from)[key]
