@@ -8,6 +8,8 @@ adapter in /metrics."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +69,49 @@ def test_evicted_and_reloaded_adapters_give_the_same_tokens(
     # all three together need three slots: they run one adapter at a time, same tokens
     together = token_ids(tight, [PROMPTS[1]] * 3, loras, GREEDY_8)
     assert together == [expected[lora.lora_int_id] for lora in loras]
+
+
+def test_an_adapter_read_again_from_disk_does_not_block_the_steps(
+        adapters: tuple[Path, list[LoRARequest]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter the host cache dropped is read on the loader thread: while
+    the (slow) read runs, another request keeps getting a token each step and
+    the adapter's request waits; once it lands the request gets its tokens."""
+    base, loras = adapters
+    roomy = LLM(model=str(base), enable_lora=True, max_loras=1, block_size=BLOCK_SIZE,
+                num_kv_blocks=128, enable_prefix_caching=False)
+    expected = token_ids(roomy, [PROMPTS[1]], loras[0], GREEDY_8)[0]
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(base), enable_lora=True, max_loras=1, max_cpu_loras=1, block_size=BLOCK_SIZE,
+        num_kv_blocks=128, enable_prefix_caching=False))
+    manager = engine.core.executor.lora_manager  # type: ignore[attr-defined]
+    engine.add_lora(loras[0])
+    engine.add_lora(loras[1])  # the host cache keeps this one only
+    assert list(manager.host) == [loras[1].lora_int_id]
+    started, disk_ready = threading.Event(), threading.Event()
+    read = manager._read
+
+    def slow_read(request: LoRARequest) -> object:
+        started.set()
+        assert disk_ready.wait(10)
+        return read(request)
+
+    monkeypatch.setattr(manager, "_read", slow_read)
+    other = engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40,
+                                                          ignore_eos=True))
+    waiting = engine.add_request(PROMPTS[1], GREEDY_8, lora_request=loras[0])
+    produced: dict[str, list[int]] = {other: [], waiting: []}
+    for _ in range(5):
+        start = time.perf_counter()
+        for output in engine.step():
+            produced[output.request_id] = output.outputs[0].token_ids
+        assert time.perf_counter() - start < 5  # no step waits for the disk
+    assert started.is_set() and len(produced[other]) == 5 and produced[waiting] == []
+    disk_ready.set()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            produced[output.request_id] = output.outputs[0].token_ids
+    assert produced[waiting] == expected
+    assert manager.num_blocking_reads == 0
 
 
 def test_remove_lora_frees_the_adapter_and_retires_its_id(
