@@ -16,7 +16,7 @@ xgrammar 0.2.8 turns a string with ``minLength`` / ``maxLength`` into
 characters (tab, NUL, ...) pass, which JSON forbids, and escapes do not.
 ``_json_schema_grammar`` rewrites that class in the EBNF xgrammar made into
 one JSON character (anything but a control character, ``"`` or ``\``, or
-an escape), then compiles the EBNF (decision NNNN-xgrammar-string-length).
+an escape), then compiles the EBNF (decision 0036).
 """
 
 from __future__ import annotations
