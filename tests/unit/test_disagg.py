@@ -1,0 +1,184 @@
+"""Disaggregated prefill / decode with two engines in one process (CPU,
+gloo): greedy tokens equal one engine's, the decode engine really reads the
+pulled KV, a decode-side prefix hit pulls fewer blocks, a failed or refused
+pull falls back to recomputing, and no block stays pinned or held after a
+pull or an expired offer. Also the transfer's byte moves and the role checks."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import KVTransferConfig
+from kvserve.distributed.kv_transfer import BlockBytes
+from kvserve.engine.args import EngineArgs
+
+PROMPTS = [list(range(100 + 7 * i, 137 + 7 * i)) for i in range(3)]  # 37 tokens each
+POOL = {"block_size": 4, "num_kv_blocks": 64}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def greedy(max_tokens: int = 8, **kwargs: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoint: Callable[[str], Path]) -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(path: str) -> list[list[int]]:
+    llm = LLM(model=path, enable_prefix_caching=False)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
+
+
+@pytest.fixture
+def pair(path: str) -> Iterator[tuple[LLM, LLM]]:
+    port = _free_pair()
+    prefill = LLM(model=path, kv_role="prefill", kv_transfer_port=port,
+                  kv_transfer_timeout=5.0, **POOL)
+    decode = LLM(model=path, kv_role="decode", kv_transfer_timeout=5.0, **POOL)
+    yield prefill, decode
+    for llm in (prefill, decode):
+        llm.engine.core.core.shutdown()  # type: ignore[attr-defined]
+
+
+def _free_pair() -> int:
+    """A port whose successor (the rendezvous store's) is free too."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two free ports in a row")
+
+
+def prefill_then_decode(prefill: LLM, decode: LLM, prompt: list[int],
+                        params: SamplingParams) -> tuple[list[int], dict[str, Any]]:
+    first = prefill.generate([prompt], greedy(1, kv_transfer_params={"do_remote_decode": True}),
+                             use_tqdm=False)[0]
+    assert first.kv_transfer_params is not None
+    answer = first.kv_transfer_params
+    params.kv_transfer_params = answer
+    out = decode.generate([prompt], params, use_tqdm=False)[0]
+    return out.outputs[0].token_ids, answer
+
+
+def core(llm: LLM) -> Any:
+    return llm.engine.core.core  # type: ignore[attr-defined]
+
+
+def wait_unpinned(llm: LLM, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while core(llm).scheduler.kv_pinned and time.monotonic() < deadline:
+        core(llm).housekeep()
+        time.sleep(0.01)
+
+
+def all_free(llm: LLM) -> bool:
+    stats = llm.stats()
+    return bool(stats["kv_blocks_free"] == stats["kv_blocks_total"])
+
+
+def test_block_bytes_round_trip_any_dtype() -> None:
+    keys = torch.randn(2, 6, 4, 2, 8).to(torch.bfloat16)
+    codes = torch.randint(0, 255, (6, 5), dtype=torch.uint8)
+    source = BlockBytes([(keys, 1), (codes, 0)])
+    target_keys, target_codes = torch.zeros_like(keys), torch.zeros_like(codes)
+    target = BlockBytes([(target_keys, 1), (target_codes, 0)])
+    target.scatter([5, 0], source.gather([1, 3]))
+    assert torch.equal(target_keys[:, 5], keys[:, 1]) and torch.equal(target_keys[:, 0], keys[:, 3])
+    assert torch.equal(target_codes[5], codes[1]) and target_codes[2].sum() == 0
+
+
+@pytest.mark.slow
+def test_greedy_equal_to_one_engine_and_nothing_left_pinned(
+        pair: tuple[LLM, LLM], reference: list[list[int]]) -> None:
+    prefill, decode = pair
+    for prompt, expected in zip(PROMPTS, reference):
+        tokens, answer = prefill_then_decode(prefill, decode, prompt, greedy())
+        assert tokens == expected
+        assert len(answer["remote_block_ids"]) == -(-len(prompt) // POOL["block_size"])
+    stats = decode.stats()
+    assert stats["kv_transfer_pulled_requests"] == 3
+    assert stats["kv_transfer_recomputed_requests"] == 0
+    # 36 of 37 prompt tokens travel: 9 blocks of 4 each
+    assert stats["kv_transfer_bytes_received"] == 3 * 9 * core(decode).kv_connector.receiver.blocks.block_bytes
+    wait_unpinned(prefill)
+    assert all_free(prefill) and all_free(decode)
+
+
+@pytest.mark.slow
+def test_decode_reads_the_pulled_kv_and_a_local_prefix_hit_pulls_less(
+        pair: tuple[LLM, LLM], reference: list[list[int]]) -> None:
+    prefill, decode = pair
+    sender = core(prefill).kv_connector.sender
+    gather = sender.blocks.gather
+    sender.blocks.gather = lambda ids: torch.zeros_like(gather(ids))  # sends zeros
+    tokens, _ = prefill_then_decode(prefill, decode, PROMPTS[0], greedy())
+    assert tokens != reference[0]
+    sender.blocks.gather = gather
+    wait_unpinned(prefill)
+    # same prompt again: the decode engine's prefix cache has its 9 full blocks
+    received = decode.stats()["kv_transfer_bytes_received"]
+    prefill_then_decode(prefill, decode, PROMPTS[0], greedy())
+    assert decode.stats()["kv_transfer_bytes_received"] == received
+    # a prompt sharing 8 blocks with it pulls the rest only
+    longer = [*PROMPTS[0][:32], 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    prefill_then_decode(prefill, decode, longer, greedy())
+    block_bytes = sender.blocks.block_bytes
+    assert decode.stats()["kv_transfer_bytes_received"] == received + 2 * block_bytes
+
+
+@pytest.mark.slow
+def test_a_refused_pull_recomputes_and_an_unpulled_offer_expires(
+        pair: tuple[LLM, LLM], reference: list[list[int]]) -> None:
+    prefill, decode = pair
+    first = prefill.generate([PROMPTS[1]], greedy(1, kv_transfer_params={"do_remote_decode": True}),
+                             use_tqdm=False)[0]
+    answer = dict(first.kv_transfer_params or {})
+    assert core(prefill).scheduler.kv_pinned and not all_free(prefill)
+    wait_unpinned(prefill)  # nobody pulls: freed after the 5 s timeout
+    assert not core(prefill).scheduler.kv_pinned and all_free(prefill)
+    out = decode.generate([PROMPTS[1]], greedy(kv_transfer_params=answer), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference[1]
+    assert decode.stats()["kv_transfer_recomputed_requests"] == 1
+    assert all_free(decode)
+
+
+def test_roles_and_params_are_checked(path: str) -> None:
+    with pytest.raises(ValueError, match="kv_role='middle' is invalid"):
+        KVTransferConfig(kv_role="middle")
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        EngineArgs(model=path, kv_role="decode", tensor_parallel_size=2).create_engine_config()
+    config = EngineArgs(model=path, kv_transfer_config=(
+        '{"kv_connector": "kvserve", "kv_role": "kv_producer", "kv_port": 15000}'
+    )).create_engine_config()
+    assert config.kv_transfer_config.kv_role == "prefill"
+    assert config.kv_transfer_config.kv_transfer_port == 15000
+    with pytest.raises(ValueError, match="n=2 is invalid"):
+        SamplingParams(n=2, kv_transfer_params={"do_remote_decode": True})
+    llm = LLM(model=path, **POOL)
+    with pytest.raises(ValueError, match="--kv-role prefill"):
+        llm.generate([PROMPTS[0]], greedy(kv_transfer_params={"do_remote_decode": True}),
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="--kv-role decode"):
+        llm.generate([PROMPTS[0]], greedy(kv_transfer_params={"do_remote_prefill": True}),
+                     use_tqdm=False)
