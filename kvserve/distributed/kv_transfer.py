@@ -79,7 +79,8 @@ class BlockBytes:
             self.sizes.append(view[0].numel())
         self.block_bytes = sum(self.sizes)
         self.device = tensors[0][0].device if tensors else torch.device("cpu")
-        self.chunk_blocks = max(1, min(CHUNK_MAX_BLOCKS, CHUNK_MAX_BYTES // max(1, self.block_bytes)))
+        self.chunk_blocks = max(1, min(CHUNK_MAX_BLOCKS,
+                                       CHUNK_MAX_BYTES // max(1, self.block_bytes)))
 
     def gather(self, block_ids: list[int]) -> torch.Tensor:
         index = torch.tensor(block_ids, device=self.device)

@@ -90,23 +90,21 @@ class KVConnector:
         num_tokens = request.num_prompt_tokens - 1  # the last one is computed here
         started = self.scheduler.start_kv_receive(request.request_id, num_tokens) \
             if num_tokens > 0 else None
-        if started is None:
-            self.num_recomputed += num_tokens > 0
-            return
-        block_ids, num_local = started
-        if not block_ids:
-            return  # all of it is in the local prefix cache
+        block_ids, num_local = started if started is not None else ([], 0)
         remote_ids = list(params["remote_block_ids"][num_local:num_local + len(block_ids)])
-        if len(remote_ids) != len(block_ids):
-            logger.warning("KV transfer: %s names %d blocks, %d needed; recomputing",
-                           request.request_id, len(params["remote_block_ids"]),
-                           num_local + len(block_ids))
-            self.scheduler.finish_kv_receive(request.request_id, False)
+        if started is None or len(remote_ids) != len(block_ids):
+            if started is not None:
+                logger.warning("KV transfer: %s names %d blocks, %d needed; recomputing",
+                               request.request_id, len(params["remote_block_ids"]),
+                               num_local + len(block_ids))
+                self.scheduler.finish_kv_receive(request.request_id, False)
             self.num_recomputed += 1
-            return
+            block_ids, remote_ids = [], []
         from kvserve.distributed.kv_transfer import PullJob
 
         assert self.receiver is not None
+        # a pull of no blocks (all in the local prefix cache, or none taken) lets the
+        # prefill engine free them now rather than at its timeout
         self.receiver.pull(PullJob(request.request_id, str(params["remote_host"]),
                                    int(params["remote_port"]), str(params["remote_request_id"]),
                                    remote_ids, block_ids))
@@ -129,9 +127,10 @@ class KVConnector:
                 scheduler.release_kv(request_id)
         if self.receiver is not None:
             for request_id, ok in self.receiver.take_finished():
-                scheduler.finish_kv_receive(request_id, ok)
-                self.num_pulled += ok
-                self.num_recomputed += not ok
+                if request_id in scheduler.kv_receiving:
+                    scheduler.finish_kv_receive(request_id, ok)
+                    self.num_pulled += ok
+                    self.num_recomputed += not ok
 
     def busy(self) -> bool:
         """Whether blocks are pinned or being received (the core must keep stepping)."""

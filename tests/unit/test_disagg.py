@@ -120,7 +120,8 @@ def test_greedy_equal_to_one_engine_and_nothing_left_pinned(
     assert stats["kv_transfer_pulled_requests"] == 3
     assert stats["kv_transfer_recomputed_requests"] == 0
     # 36 of 37 prompt tokens travel: 9 blocks of 4 each
-    assert stats["kv_transfer_bytes_received"] == 3 * 9 * core(decode).kv_connector.receiver.blocks.block_bytes
+    block_bytes = core(decode).kv_connector.receiver.blocks.block_bytes
+    assert stats["kv_transfer_bytes_received"] == 3 * 9 * block_bytes
     wait_unpinned(prefill)
     assert all_free(prefill) and all_free(decode)
 
