@@ -65,9 +65,8 @@ def check_disagg_request(payload: dict[str, Any]) -> str | None:
         return (f"n={n} is invalid with disaggregated prefill / decode: must be 1 (send n "
                 "requests)")
     prompt = payload.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) > 1:
-            return (f"prompt: a list of {len(prompt)} prompts is invalid with disaggregated "
+    if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
+        return (f"prompt: a list of {len(prompt)} prompts is invalid with disaggregated "
                     "prefill / decode: send one prompt per request")
     if payload.get("echo") and payload.get("logprobs") is not None:
         return ("echo with logprobs is invalid with disaggregated prefill / decode: the "
@@ -127,8 +126,8 @@ class DisaggForwarder:
 def build_disagg_app(prefill: RouterState, decode: RouterState,
                      on_start: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
     """The router application in disaggregated mode."""
-    metrics = RouterMetrics(_AllBackends(prefill.pool.backends + decode.pool.backends),
-                            lambda: 0)  # type: ignore[arg-type]
+    backends = _AllBackends(prefill.pool.backends + decode.pool.backends)
+    metrics = RouterMetrics(backends, lambda: 0)  # type: ignore[arg-type]
     prefill.metrics = decode.metrics = metrics
 
     @asynccontextmanager

@@ -43,13 +43,14 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
 def start_pair(model: Path, logs: Path, prefill_env: dict[str, str] | None = None,
-               decode_env: dict[str, str] | None = None) -> list[ServerProcess]:
+               decode_env: dict[str, str] | None = None,
+               args: tuple[str, ...] = ()) -> list[ServerProcess]:
     port = _free_pair()
     prefill = launch(model, logs / "prefill.log", [
         "--kv-role", "prefill", "--kv-transfer-port", str(port), "--kv-transfer-timeout", "5",
-        "--num-kv-blocks", "64"], env=prefill_env, wait_ready=False)
+        "--num-kv-blocks", "64", *args], env=prefill_env, wait_ready=False)
     decode = launch(model, logs / "decode.log", [
-        "--kv-role", "decode", "--kv-transfer-timeout", "5", "--num-kv-blocks", "64"],
+        "--kv-role", "decode", "--kv-transfer-timeout", "5", "--num-kv-blocks", "64", *args],
         env=decode_env, wait_ready=False)
     for server in (prefill, decode):
         _wait_ready(server)
@@ -75,7 +76,8 @@ def start_router(model: Path, logs: Path, prefill: ServerProcess,
 def disagg(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[ServerProcess, ServerProcess, ServerProcess]]:
     logs = tmp_path_factory.mktemp("disagg")
-    servers = start_pair(tiny_model, logs)
+    # each engine core in its own process, as on CUDA (the fault test keeps it in-process)
+    servers = start_pair(tiny_model, logs, args=("--engine-core", "process"))
     try:
         router = start_router(tiny_model, logs, *servers)
         yield servers[0], servers[1], router

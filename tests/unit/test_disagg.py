@@ -17,8 +17,12 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import KVTransferConfig
+from kvserve.core.block_pool import KVBlock
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler
 from kvserve.distributed.kv_transfer import BlockBytes
 from kvserve.engine.args import EngineArgs
+from tests.unit.test_core_scheduler import make_scheduler
 
 PROMPTS = [list(range(100 + 7 * i, 137 + 7 * i)) for i in range(3)]  # 37 tokens each
 POOL = {"block_size": 4, "num_kv_blocks": 64}
@@ -183,3 +187,46 @@ def test_roles_and_params_are_checked(path: str) -> None:
     with pytest.raises(ValueError, match="--kv-role decode"):
         llm.generate([PROMPTS[0]], greedy(kv_transfer_params={"do_remote_prefill": True}),
                      use_tqdm=False)
+
+
+def _request(request_id: str, params: dict[str, Any]) -> Request:
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, kv_transfer_params=params)
+    return Request(request_id, list(range(1, 12)), sampling, ())
+
+
+def test_scheduler_holds_receiving_and_pinned_blocks_until_released() -> None:
+    scheduler = make_scheduler(num_blocks=16)
+    pool = scheduler.kv_manager.pool
+    free = pool.num_free_blocks
+    # decode side: 10 of 11 tokens received into 3 blocks of 4, not scheduled meanwhile
+    scheduler.add_request(_request("d", {"do_remote_prefill": True}))
+    started = scheduler.start_kv_receive("d", 10)
+    assert started is not None and len(started[0]) == 3 and started[1] == 0
+    assert scheduler.schedule().num_scheduled_tokens == {}
+    scheduler.finish_kv_receive("d", True)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"d": 1}  # only the last prompt token
+    assert out.new_requests[0].block_ids == started[0]
+    # aborted while receiving: its blocks stay held until the pull ends
+    scheduler.add_request(_request("e", {"do_remote_prefill": True}))
+    blocks = scheduler.start_kv_receive("e", 10)
+    assert blocks is not None
+    scheduler.finish_requests(["e"], RequestStatus.FINISHED_ABORTED)
+    assert all(not pool.is_free(b) for b in pool_blocks(scheduler, blocks[0]))
+    scheduler.finish_kv_receive("e", True)
+    assert all(pool.is_free(b) for b in pool_blocks(scheduler, blocks[0]))
+    scheduler.finish_requests(["d"], RequestStatus.FINISHED_ABORTED)
+    assert pool.num_free_blocks == free
+    # prefill side: a finished request keeps its blocks until released; an aborted one not
+    scheduler.add_request(_request("p", {"do_remote_decode": True}))
+    scheduler.add_request(_request("q", {"do_remote_decode": True}))
+    scheduler.schedule()
+    scheduler.finish_requests(["p"], RequestStatus.FINISHED_STOPPED)
+    scheduler.finish_requests(["q"], RequestStatus.FINISHED_ABORTED)
+    assert list(scheduler.kv_pinned) == ["p"] and pool.num_free_blocks == free - 3
+    scheduler.release_kv("p")
+    assert not scheduler.kv_pinned and pool.num_free_blocks == free
+
+
+def pool_blocks(scheduler: Scheduler, block_ids: list[int]) -> list[KVBlock]:
+    return [scheduler.kv_manager.pool.blocks[i] for i in block_ids]
