@@ -121,6 +121,10 @@ def test_greedy_outputs_and_usage_equal_one_engines(
         stream = routed.chat.completions.create(stream=True, **chat)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
             expected_chat
+    assert decode.metric("kvserve:kv_transfer_pulled_requests_total") >= 4
+    assert decode.metric("kvserve:kv_transfer_recomputed_requests_total") == 0
+    assert decode.metric("kvserve:kv_transfer_bytes_received_total") == \
+        prefill.metric("kvserve:kv_transfer_bytes_sent_total") > 0
     assert wait_released(prefill) == 0.0
     with pytest.raises(openai.BadRequestError, match="n=2"):
         routed.completions.create(model=MODEL_NAME, prompt="x", n=2, max_tokens=2)
@@ -157,6 +161,7 @@ def test_killed_prefill_mid_transfer_then_killed_decode_mid_stream(
         _signal_group(prefill.process, signal.SIGKILL)  # the pull is waiting for its blocks
         worker.join(timeout=60)
         assert result == [expected]  # recomputed by the decode engine
+        assert decode.metric("kvserve:kv_transfer_recomputed_requests_total") == 1
         # with no prefill engine the decode engine serves alone
         assert client.completions.create(**kwargs).choices[0].text == expected
         # a decode engine killed mid-stream: an error frame ends the stream
