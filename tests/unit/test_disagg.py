@@ -50,12 +50,14 @@ def reference(path: str) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
 
 
-@pytest.fixture
-def pair(path: str) -> Iterator[tuple[LLM, LLM]]:
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def pair(path: str, request: pytest.FixtureRequest) -> Iterator[tuple[LLM, LLM]]:
+    """A prefill and a decode engine; async: both with async scheduling (CUDA's default)."""
     port = _free_pair()
+    options = {**POOL, "async_scheduling": request.param}
     prefill = LLM(model=path, kv_role="prefill", kv_transfer_port=port,
-                  kv_transfer_timeout=5.0, **POOL)
-    decode = LLM(model=path, kv_role="decode", kv_transfer_timeout=5.0, **POOL)
+                  kv_transfer_timeout=5.0, **options)
+    decode = LLM(model=path, kv_role="decode", kv_transfer_timeout=5.0, **options)
     yield prefill, decode
     for llm in (prefill, decode):
         llm.engine.core.core.shutdown()  # type: ignore[attr-defined]
