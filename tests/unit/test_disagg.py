@@ -232,3 +232,22 @@ def test_scheduler_holds_receiving_and_pinned_blocks_until_released() -> None:
 
 def pool_blocks(scheduler: Scheduler, block_ids: list[int]) -> list[KVBlock]:
     return [scheduler.kv_manager.pool.blocks[i] for i in block_ids]
+
+
+@pytest.mark.slow
+def test_a_pull_that_times_out_recomputes(path: str, reference: list[list[int]]) -> None:
+    port = _free_pair()
+    prefill = LLM(model=path, kv_role="prefill", kv_transfer_port=port, kv_transfer_timeout=2.0,
+                  **POOL)
+    decode = LLM(model=path, kv_role="decode", kv_transfer_timeout=1.0, **POOL)
+    try:
+        core(prefill).kv_connector.sender.send_delay_s = 3.0  # KVSERVE_FAULT_INJECT's hook
+        tokens, _ = prefill_then_decode(prefill, decode, PROMPTS[2], greedy())
+        assert tokens == reference[2]
+        assert decode.stats()["kv_transfer_recomputed_requests"] == 1
+        assert all_free(decode)
+        wait_unpinned(prefill)
+        assert all_free(prefill)
+    finally:
+        for llm in (prefill, decode):
+            core(llm).shutdown()
