@@ -185,8 +185,9 @@ class KVSender:
                 identity, payload = self._socket.recv_multipart()
                 try:
                     self._handle(identity, msgspec.msgpack.decode(payload))
-                except Exception:
-                    logger.exception("KV transfer: a pull failed; the group is rebuilt")
+                except Exception as exc:  # a failed pull must not stop the server
+                    logger.warning("KV transfer: a pull failed (%s); the decode engine "
+                                   "recomputes, the group is rebuilt on its next pull", exc)
                     self._group = None
             self._expire()
 
@@ -290,7 +291,7 @@ class KVReceiver:
             ok = False
             try:
                 ok = self._pull(job)
-            except Exception as exc:
+            except Exception as exc:  # any failure: the engine recomputes the prompt
                 logger.warning("KV transfer: pull of %s from %s:%d failed (%s); the prompt "
                                "is recomputed", job.request_id, job.host, job.port, exc)
                 self._disconnect()
