@@ -1,7 +1,8 @@
 """Disaggregated prefill / decode over real processes on 127.0.0.1 (tiny random
 Llama, gloo): ``kvserve router --prefill URL --decode URL`` in front of a
 ``--kv-role prefill`` and a ``--kv-role decode`` server. Greedy outputs and
-usage equal one engine's (completions and chat, streaming and not, logprobs);
+usage equal one engine's (completions and chat, streaming and not, logprobs,
+stop strings);
 the prefill engine's pinned blocks are all freed; n > 1 is refused with 400;
 a prefill engine SIGKILLed mid-transfer costs a recompute, not the request,
 and with it gone the decode engine serves alone; a decode engine SIGKILLed
@@ -113,6 +114,13 @@ def test_greedy_outputs_and_usage_equal_one_engines(
         chunks = list(routed.completions.create(stream=True, **kwargs))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == \
             expected.choices[0].text
+        text = expected.choices[0].text
+        if len(text.strip()) > 2:  # a stop string inside the text ends both the same way
+            stop = text.strip()[1:3]
+            stopped = direct.completions.create(stop=[stop], **kwargs).choices[0]
+            got_stopped = routed.completions.create(stop=[stop], **kwargs).choices[0]
+            assert (got_stopped.text, got_stopped.finish_reason) == \
+                (stopped.text, stopped.finish_reason)
         chat: dict[str, Any] = dict(model=MODEL_NAME, max_tokens=8,
                                     messages=[{"role": "user", "content": prompt}], **GREEDY)
         expected_chat = direct.chat.completions.create(**chat).choices[0].message.content
