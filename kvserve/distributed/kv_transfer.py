@@ -21,7 +21,10 @@ the request, then reports the request done or failed (``take_finished``).
 A failure of any kind (no answer, a refusal, a group that times out or a
 peer that died) is reported as failed and the engine recomputes the prompt.
 
-World size 2, rank 0 the prefill side; pool layouts must match (same model,
+World size 2, rank 0 the prefill side: a prefill engine is connected to one
+decode engine at a time (each pull names its connection; a pull from another
+decode engine makes that one reconnect, so several work, at a reconnection
+each time they alternate). Pool layouts must match (same model,
 dtype and block size): each pull carries the sender's bytes per block and
 the receiver refuses a mismatch. It moves bytes and decides nothing about
 blocks: that is the scheduler's.
@@ -149,6 +152,7 @@ class KVSender:
         self._offers: dict[str, tuple[list[int], float]] = {}  # request id -> (blocks, deadline)
         self._released: list[str] = []
         self._group: Any = None
+        self._group_key: str | None = None  # the connected decode engine's rendezvous key
         self._stop = threading.Event()
         self.bytes_sent = 0
         self.send_s = 0.0
@@ -164,10 +168,6 @@ class KVSender:
         with self._lock:
             released, self._released = self._released, []
         return released
-
-    @property
-    def num_offers(self) -> int:
-        return len(self._offers)
 
     def close(self) -> None:
         self._stop.set()
@@ -197,17 +197,21 @@ class KVSender:
     def _handle(self, identity: bytes, message: dict[str, Any]) -> None:
         if message.get("op") == "connect":
             self._reply(identity, {"ok": True, "block_bytes": self.blocks.block_bytes})
-            self._group = None
+            self._group, self._group_key = None, None
             self._group = _new_group(self.host, self.port + 1, message["key"], 0,
                                      self.blocks.device, self.timeout_s, self._store)
+            self._group_key = message["key"]
+            return
+        if self._group is None or message.get("key") != self._group_key:
+            # another decode engine connected since (the group has one peer): reconnect
+            self._reply(identity, {"ok": False, "error": "not connected", "reconnect": True})
             return
         request_id = message["remote_request_id"]
         with self._lock:
             offer = self._offers.pop(request_id, None)
-        if offer is None or self._group is None:
-            self._reply(identity, {"ok": False, "error": f"no KV offered for {request_id!r}"
-                                   " (expired or unknown)" if offer is None else "not connected"})
-            self._release(request_id, offer is not None)
+        if offer is None:
+            self._reply(identity, {"ok": False, "error": f"no KV offered for {request_id!r} "
+                                   "(expired or unknown)"})
             return
         wanted = message["block_ids"]
         if not set(wanted) <= set(offer[0]):
@@ -257,6 +261,7 @@ class KVReceiver:
         self._socket: Any = None
         self._peer: tuple[str, int] | None = None
         self._group: Any = None
+        self._key = ""  # the rendezvous key of the current group
         self._jobs: queue.Queue[PullJob | None] = queue.Queue()
         self._lock = threading.Lock()
         self._finished: list[tuple[str, bool]] = []
@@ -315,6 +320,7 @@ class KVReceiver:
         self._socket.connect(f"tcp://{host}:{port}")
         key = uuid.uuid4().hex
         reply = self._ask({"op": "connect", "key": key})
+        self._key = key
         if reply["block_bytes"] != self.blocks.block_bytes:
             raise ValueError(f"the prefill engine's KV blocks are {reply['block_bytes']} bytes, "
                              f"this engine's {self.blocks.block_bytes}: same model, dtype, "
@@ -328,9 +334,14 @@ class KVReceiver:
         self._socket, self._group, self._peer = None, None, None
 
     def _pull(self, job: PullJob) -> bool:
+        pull = {"op": "pull", "remote_request_id": job.remote_request_id,
+                "block_ids": job.remote_block_ids}
         self._connect(job.host, job.port)
-        reply = self._ask({"op": "pull", "remote_request_id": job.remote_request_id,
-                           "block_ids": job.remote_block_ids})
+        reply = self._ask({**pull, "key": self._key})
+        if reply.get("reconnect"):  # another decode engine took the prefill engine's group
+            self._disconnect()
+            self._connect(job.host, job.port)
+            reply = self._ask({**pull, "key": self._key})
         if not reply["ok"]:
             logger.warning("KV transfer: %s refused (%s); the prompt is recomputed",
                            job.request_id, reply.get("error"))

@@ -251,3 +251,31 @@ def test_a_pull_that_times_out_recomputes(path: str, reference: list[list[int]])
     finally:
         for llm in (prefill, decode):
             core(llm).shutdown()
+
+
+def test_two_decode_engines_take_turns_on_one_sender() -> None:
+    from kvserve.distributed.kv_transfer import KVReceiver, KVSender, PullJob
+
+    source = torch.randn(2, 8, 4, 2, 8)
+    port = _free_pair()
+    sender = KVSender([(source, 1)], "127.0.0.1", port, 5.0)
+    targets = [torch.zeros_like(source) for _ in range(2)]
+    receivers = [KVReceiver([(t, 1)], 5.0) for t in targets]
+    try:
+        for turn, (request_id, block) in enumerate([("a", 1), ("b", 2), ("c", 3)]):
+            receiver = receivers[turn % 2]  # alternate: each pull after the first reconnects
+            sender.offer(request_id, [block])
+            receiver.pull(PullJob(request_id, "127.0.0.1", port, request_id, [block], [5]))
+            assert receiver.done.wait(30)
+            assert receiver.take_finished() == [(request_id, True)]
+            assert torch.equal(targets[turn % 2][:, 5], source[:, block])
+        deadline = time.monotonic() + 5
+        released: list[str] = []
+        while len(released) < 3 and time.monotonic() < deadline:
+            released += sender.take_released()
+            time.sleep(0.01)
+        assert sorted(released) == ["a", "b", "c"]
+    finally:
+        for receiver in receivers:
+            receiver.close()
+        sender.close()
