@@ -20,9 +20,11 @@ bandwidth (bytes received / receive seconds, from the decode engine's
 ``/metrics``) and requests that fell back to recomputing. Then, with the
 servers gone, a plain NCCL send / recv between GPUs 0 and 1 of the same
 bytes in the same chunks (64 MiB at most, as the transfer sends them)
-gives the bandwidth to compare with. The targets: TPOT p99 disagg /
-colocated <= 0.5, output throughput ratio >= 0.9, transfer bandwidth >= 50%
-of the plain send / recv. JSON to ``--output-json``; a table last.
+gives the bandwidth to compare with (each process seeing only its own GPU,
+as the engines do; the figure with both GPUs visible is reported too). The
+targets: TPOT p99 disagg / colocated <= 0.5, output throughput ratio >= 0.9,
+transfer bandwidth >= 50% of the plain send / recv. JSON to
+``--output-json``; a table last.
 """
 
 from __future__ import annotations
@@ -209,12 +211,14 @@ def metric(url: str, name: str) -> float:
     return 0.0
 
 
-def nccl_send_recv(num_bytes: int, chunk_bytes: int) -> float:
+def nccl_send_recv(num_bytes: int, chunk_bytes: int, isolated: bool) -> float:
     """GB/s of a plain NCCL send / recv of ``num_bytes`` from GPU 0 to GPU 1, in
-    chunks of ``chunk_bytes`` (best of three, after a warm-up)."""
+    chunks of ``chunk_bytes`` (best of three, after a warm-up). ``isolated``:
+    each process sees only its own GPU (CUDA_VISIBLE_DEVICES), as the two
+    engines do, so NCCL picks the transport it picks for them."""
     code = f"""
 import os, time, torch, torch.distributed as dist
-rank = int(os.environ["RANK"]); torch.cuda.set_device(rank)
+rank = int(os.environ["RANK"]); torch.cuda.set_device(0 if {isolated} else rank)
 dist.init_process_group("nccl", rank=rank, world_size=2)
 chunk = torch.empty({chunk_bytes}, dtype=torch.uint8, device="cuda")
 n = max(1, {num_bytes} // {chunk_bytes})
@@ -230,7 +234,9 @@ if rank == 1: print("GBPS", n * {chunk_bytes} / best / 1e9)
 dist.destroy_process_group()
 """
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531", "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(r)},
+    visible = [{"CUDA_VISIBLE_DEVICES": str(r)} if isolated else {} for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code],
+                              env={**env, **visible[r], "RANK": str(r)},
                               stdout=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     line = next(line for line in outs[1].splitlines() if line.startswith("GBPS"))
@@ -269,8 +275,11 @@ def main() -> int:
     disagg, colocated = results["setups"].get("disagg"), results["setups"].get("colocated")
     if disagg and disagg.get("kv_bytes_received") and _num_gpus() >= 2:
         per_pull = disagg["kv_bytes_received"] / max(disagg["pulled"], 1)
-        disagg["nccl_send_recv_gbps"] = nccl_send_recv(int(per_pull),
-                                                       min(CHUNK_MAX_BYTES, int(per_pull)))
+        chunk = min(CHUNK_MAX_BYTES, int(per_pull))
+        # the baseline: the same process layout as the engines (one GPU visible each)
+        disagg["nccl_send_recv_gbps"] = nccl_send_recv(int(per_pull), chunk, isolated=True)
+        disagg["nccl_send_recv_all_visible_gbps"] = nccl_send_recv(int(per_pull), chunk,
+                                                                   isolated=False)
         disagg["kv_transfer_vs_nccl"] = disagg["kv_transfer_gbps"] / disagg["nccl_send_recv_gbps"]
     if disagg and colocated:
         results["ratios"] = {
