@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from kvserve.config import (
     PREEMPTION_MODES,
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
@@ -44,6 +46,12 @@ DEVICES = ("auto", "cpu", "cuda")
 MAX_CUDA_GRAPH_SIZE = 512
 # the most top logprobs a request may ask for, unless --max-logprobs says otherwise
 DEFAULT_MAX_LOGPROBS = 20
+# vLLM's kv_role names -> ours
+_VLLM_KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+# --kv-transfer-config keys -> (KVTransferConfig field, conversion)
+_KV_TRANSFER_KEYS: dict[str, tuple[str, Any]] = {
+    "kv_role": ("kv_role", str), "kv_ip": ("kv_transfer_host", str),
+    "kv_port": ("kv_transfer_port", int), "kv_timeout": ("kv_transfer_timeout_s", float)}
 
 
 def default_cuda_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -136,6 +144,12 @@ class EngineArgs:
     num_cpu_threads: int | None = None
     # "auto": the model's generation_config.json; "vllm": none; else a folder holding one
     generation_config: str = "auto"
+    kv_role: str = "both"
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int = 14579
+    kv_transfer_timeout: float = 30.0
+    # vLLM's spelling, a JSON object; its keys override the flags above
+    kv_transfer_config: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # None: torchrun's variables (MASTER_ADDR, ...) when set, else one node on 127.0.0.1
@@ -238,7 +252,35 @@ class EngineArgs:
             sampling_defaults=sampling_defaults,
             speculative_config=resolve_speculative_config(self.speculative_config, model_config,
                                                           path, max_model_len),
+            kv_transfer_config=self._kv_transfer_config(),
         )
+
+    def _kv_transfer_config(self) -> KVTransferConfig:
+        """The role and transfer address, from the flags or from vLLM's
+        ``--kv-transfer-config`` JSON (kv_role kv_producer / kv_consumer /
+        kv_both, or prefill / decode / both; kv_ip, kv_port, kv_timeout)."""
+        values: dict[str, Any] = {
+            "kv_role": self.kv_role, "kv_transfer_host": self.kv_transfer_host,
+            "kv_transfer_port": self.kv_transfer_port,
+            "kv_transfer_timeout_s": float(self.kv_transfer_timeout)}
+        if self.kv_transfer_config:
+            try:
+                given = json.loads(self.kv_transfer_config)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
+            if not isinstance(given, dict):
+                raise ValueError("kv_transfer_config must be a JSON object, e.g. "
+                                 '\'{"kv_role": "kv_producer", "kv_port": 14579}\'')
+            unknown = set(given) - set(_KV_TRANSFER_KEYS) - {"kv_connector"}
+            if unknown:
+                raise ValueError(f"kv_transfer_config: unknown keys {sorted(unknown)}; known: "
+                                 f"{sorted(_KV_TRANSFER_KEYS)} (and kv_connector, ignored)")
+            for key, value in given.items():
+                if key in _KV_TRANSFER_KEYS:
+                    name, convert = _KV_TRANSFER_KEYS[key]
+                    values[name] = convert(value)
+        values["kv_role"] = _VLLM_KV_ROLES.get(values["kv_role"], values["kv_role"])
+        return KVTransferConfig(**values)
 
     def _parallel_config(self) -> ParallelConfig:
         """The split and the node layout; unset node flags fall back to torchrun's
@@ -366,6 +408,26 @@ class EngineArgs:
                            help="host memory (GB, pinned on CUDA) for a second KV tier: "
                                 "blocks the prefix cache evicts are copied there and come "
                                 "back on a hit (default: 0, off)")
+        group.add_argument("--kv-role", default=defaults.kv_role,
+                           choices=("prefill", "decode", "both"),
+                           help="disaggregated serving: prefill engines compute prompts and "
+                                "keep their KV for decode engines to pull; both: one engine "
+                                "does all (default: %(default)s)")
+        group.add_argument("--kv-transfer-host", default=defaults.kv_transfer_host,
+                           help="a prefill engine's address for KV pulls (default: "
+                                "%(default)s)")
+        group.add_argument("--kv-transfer-port", type=int, default=defaults.kv_transfer_port,
+                           help="a prefill engine's port for KV pulls; the port after it "
+                                "serves the transfer group's store (default: %(default)s)")
+        group.add_argument("--kv-transfer-timeout", type=float,
+                           default=defaults.kv_transfer_timeout,
+                           help="seconds a prefill engine keeps unpulled KV, and a decode "
+                                "engine waits for a pull before recomputing "
+                                "(default: %(default)s)")
+        group.add_argument("--kv-transfer-config", default=None,
+                           help="vLLM's spelling of the above, a JSON object: kv_role "
+                                "(kv_producer | kv_consumer | kv_both), kv_ip, kv_port, "
+                                "kv_timeout")
         group.add_argument("--preemption-mode", default=defaults.preemption_mode,
                            choices=PREEMPTION_MODES,
                            help="recompute: a preempted request's KV is dropped and computed "

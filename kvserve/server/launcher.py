@@ -198,6 +198,10 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.data_parallel_size < 1 or engine_config.parallel_config.nnodes > 1:
             raise ValueError(f"--data-parallel-size={args.data_parallel_size} is invalid: "
                              "must be >= 1, on one node")
+        if engine_config.kv_transfer_config.disaggregated:
+            raise ValueError("--kv-role prefill / decode is for one engine per server: start "
+                             "each with its own --kv-transfer-port and put kvserve router "
+                             "--prefill ... --decode ... in front")
         return run_data_parallel(args, getattr(args, "argv", sys.argv[1:]), engine_config)
     if engine_config.parallel_config.node_rank > 0:  # a worker node of a multi-node engine
         from kvserve.engine.engine_core import run_worker_node

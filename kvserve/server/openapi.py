@@ -90,6 +90,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None  # streamed chunks: only on the last one, with include_usage
+    # a prefill engine's answer (--kv-role prefill): where a decode engine pulls the KV
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -153,6 +155,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None  # as CompletionResponse's
 
 
 class ChatDelta(BaseModel):

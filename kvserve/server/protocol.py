@@ -247,6 +247,9 @@ class SamplingRequest(APIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # disaggregated prefill / decode, vLLM's field: {"do_remote_decode": true} to a
+    # prefill engine; its answer (the response's kv_transfer_params) to a decode engine
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -324,12 +324,16 @@ def final_response(job: Job, outputs: dict[int, RequestOutput]) -> dict[str, Any
     choices.sort(key=lambda c: c["index"])
     num_generated = (0 if job.echo_only else
                      sum(len(c.token_ids) for o in outputs.values() for c in o.outputs))
-    return {
+    response = {
         "id": job.request_id, "object": "chat.completion" if job.chat else "text_completion",
         "created": job.created, "model": job.model, "choices": choices,
         "usage": usage_dict(sum(len(p.token_ids) for p in job.prompts), num_generated,
                             sum(o.num_cached_tokens for o in outputs.values())),
     }
+    kv_transfer = [o.kv_transfer_params for o in outputs.values() if o.kv_transfer_params]
+    if kv_transfer:  # a prefill engine's answer: where the decode engine pulls the KV
+        response["kv_transfer_params"] = kv_transfer[0] if len(kv_transfer) == 1 else kv_transfer
+    return response
 
 
 def _text_logprobs(job: Job, prompt: PromptInput, output: RequestOutput,
@@ -619,7 +623,7 @@ class OpenAIServing:
                 logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                logit_bias=body.token_logit_bias,
+                logit_bias=body.token_logit_bias, kv_transfer_params=body.kv_transfer_params,
             )
         except ValueError as exc:
             raise _bad_request(exc, body, prompt_param) from None
