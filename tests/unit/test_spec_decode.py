@@ -61,6 +61,20 @@ def spy_on_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
     return seen
 
 
+def count_verify_layout_steps(llm: LLM) -> Callable[[], int]:
+    """A counter of the runner's steps laid out one token per row."""
+    buffers: Any = llm.engine.core.executor.verify
+    count = [0]
+    fill = buffers.fill
+
+    def spy(*args: Any) -> Any:
+        count[0] += 1
+        return fill(*args)
+
+    buffers.fill = spy
+    return lambda: count[0]
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("target"), with_tokenizer=True)
@@ -105,12 +119,14 @@ def test_greedy_output_is_identical_with_speculation(
     kwargs = dict(num_kv_blocks=24 if batch > 1 else 64, max_num_batched_tokens=16,
                   speculative_config=config)
     llm = LLM(model=str(target), block_size=4, **kwargs)
+    num_verify_steps = count_verify_layout_steps(llm)
     if method == "oracle":  # the first pass records, the second replays
         assert summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["spec_decode_num_draft_tokens"] > 0
+    assert num_verify_steps() > 0  # steps laid out one token per row (verify_layout.py)
     if batch > 1:
         assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     if method in ("draft_model", "oracle"):
