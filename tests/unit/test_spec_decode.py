@@ -370,3 +370,28 @@ def test_structured_output_requests_run_without_speculation(target: Path) -> Non
         jsonschema.validate(json.loads(outputs[i][0][1]), schema)
     assert outputs[3][0][0] == [7] * 8
     assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_async_scheduling_queues_the_next_step_before_reporting_a_speculative_one(
+        target: Path) -> None:
+    """With async scheduling a speculative step stays in flight: the call
+    that reports it has already planned and queued the next step from it (a
+    synchronous run reports it in the call that queued it). Output identical."""
+    prompts = PROMPTS[:3]
+    expected, _ = generate(target, GREEDY, prompts)
+    for async_scheduling in (False, True):
+        llm = LLM(model=str(target), block_size=4, async_scheduling=async_scheduling,
+                  speculative_config=spec("ngram", prompt_lookup_min=1))
+        core: Any = llm.engine.core.core  # the EngineCore behind the in-process client
+        left_in_flight: list[bool] = []
+        step = core.step
+
+        def spy() -> Any:
+            outputs = step()
+            left_in_flight.append(any(out.is_spec_step for out, _ in core._in_flight))
+            return outputs
+
+        core.step = spy
+        assert summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+        assert any(left_in_flight) == async_scheduling
