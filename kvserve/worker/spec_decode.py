@@ -154,7 +154,11 @@ class SpecDecodeRunner:
         row_start = np.cumsum(counts) - counts
         flat = np.repeat(first - row_start, counts) + np.arange(int(counts.sum()))
         sampling = self._verify_batch(sample_rows, request_ids, n, out)
-        # the proposals and row indices, in one host-to-device copy
+        start = runner._mark()
+        hidden, decode_out = runner._forward(inputs)
+        batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
+        # the proposals and row indices, in one host-to-device copy, prepared
+        # while the device runs the forward (a pinned copy queued behind it)
         num_reqs, max_n = len(request_ids), int(n.max(initial=0))
         drafts = np.zeros((num_reqs, max_n), dtype=np.int64)
         forced = np.zeros((num_reqs, max_n), dtype=np.int64) if self.config.forced_acceptance \
@@ -172,9 +176,6 @@ class SpecDecodeRunner:
         drafts_end = 3 * num_reqs + len(flat) + drafts.size
         draft_ids = packed[3 * num_reqs + len(flat):drafts_end].view(num_reqs, max_n)
         forced_t = packed[drafts_end:].view(len(forced), max_n).bool() if len(forced) else None
-        start = runner._mark()
-        hidden, decode_out = runner._forward(inputs)
-        batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
         if decode_out is not None:
             logits = decode_out[0][flat_t]
         else:
