@@ -280,11 +280,11 @@ def table(results: dict[str, Any]) -> str:
     if "oracle" in results:
         oracle = results["oracle"]
         plain = oracle["plain"]
-        lines.append(f"| oracle 8B b1 | plain | {plain['decode_tok_s']:.1f} | 1.00 | | | | "
+        lines.append(f"| oracle b1 | plain | {plain['decode_tok_s']:.1f} | 1.00 | | | | "
                      f"step {_step(plain)} |")
         for r in oracle["rows"]:
             lines.append(
-                f"| oracle 8B b1 | k={r['k']} α={r['alpha']} | {r['decode_tok_s']:.1f} | "
+                f"| oracle b1 | k={r['k']} α={r['alpha']} | {r['decode_tok_s']:.1f} | "
                 f"{r['speedup']:.2f} | {r['theory']:.2f} / {r['plan_speedup']:.2f} | "
                 f"{r['alpha_first']:.2f} | {r['mean_accepted_length']:.2f} | "
                 f"{r['efficiency']:.2f} of theory{'' if r['efficiency'] >= 0.85 else ' (<0.85)'};"
