@@ -22,8 +22,10 @@ step N's sampled tensor ("carried"). Requests with penalties or below
 ``min_tokens`` need their whole output on the host, so a step that would
 carry one of their tokens reads the previous step first. A speculative step
 (``SchedulerOutput.is_spec_step``) reads every step before it and runs
-through ``worker/spec_decode.py``; a proposer with its own network sees the
-tokens of every step (``SpecDecodeRunner.observe``).
+through ``worker/spec_decode.py``; one whose every request is its last
+token and its proposals is laid out one token per attention row
+(``worker/verify_layout.py``) and replays a verify graph; a proposer with
+its own network sees the tokens of every step (``SpecDecodeRunner.observe``).
 
 With tensor or pipeline parallelism (``distributed/``) one runner runs in
 each worker process on its rank's shard of the model, from the same
@@ -93,13 +95,9 @@ from kvserve.worker.kv_cache import (
 from kvserve.worker.kv_offload import KVOffloader, create_kv_offloader, staging_buffer_bytes
 from kvserve.worker.spec_decode import SpecDecodeRunner
 from kvserve.worker.structured_output import GrammarMatchers
-from kvserve.worker.verify_layout import VerifyBuffers
+from kvserve.worker.verify_layout import VerifyBuffers, is_verify_step, verify_graph_sizes
 
 logger = logging.getLogger(__name__)
-# verify graphs (worker/verify_layout.py) for decode batch sizes up to this:
-# past it speculation seldom pays (core/spec_policy.py) and a verify step
-# of a larger batch replays a token graph
-VERIFY_GRAPH_MAX_BATCH = 64
 
 
 @dataclass
@@ -290,9 +288,8 @@ class ModelRunner:
         self.verify_graph_sizes: tuple[int, ...] = ()
         if speculative_config is not None:
             rows = 1 + speculative_config.num_speculative_tokens
-            self.verify_graph_sizes = tuple(
-                size * rows for size in self.cuda_graph_sizes
-                if size <= VERIFY_GRAPH_MAX_BATCH and size * rows <= max_num_tokens)
+            self.verify_graph_sizes = verify_graph_sizes(self.cuda_graph_sizes, rows,
+                                                         max_num_tokens)
             self.verify = VerifyBuffers(
                 min(max_num_tokens, max(max_num_reqs * rows, *self.verify_graph_sizes, 1)),
                 max_blocks_per_req, device)
@@ -589,9 +586,8 @@ class ModelRunner:
         padded_num_reqs, padded_num_tokens = num_reqs, int(num_scheduled.sum())
         # a pure verify step (every request its last token and its proposals,
         # some proposals): one token per attention row, worker/verify_layout.py
-        verify = (num_spec is not None and self.verify is not None and bool(num_spec.any())
-                  and bool((num_scheduled == num_spec + 1).all())
-                  and bool((ends == batch.num_tokens[rows]).all()))
+        verify = (num_spec is not None and self.verify is not None
+                  and is_verify_step(num_spec, num_scheduled, ends, batch.num_tokens[rows]))
         # with the torch LoRA path, graphs hold the base model only: a step with
         # an adapter runs eagerly; the kernels read their indices from fixed buffers
         lora_eager = (self.lora_manager is not None and not self.lora_manager.batch.use_kernels

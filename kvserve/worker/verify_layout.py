@@ -31,6 +31,30 @@ import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 
+# verify graphs for decode batch sizes up to this: past it speculation
+# seldom pays (core/spec_policy.py), and a larger verify step replays a
+# token graph
+VERIFY_GRAPH_MAX_BATCH = 64
+
+
+def verify_graph_sizes(decode_sizes: tuple[int, ...], rows_per_request: int,
+                       max_num_tokens: int) -> tuple[int, ...]:
+    """The verify graphs' row counts: each decode graph batch size up to
+    ``VERIFY_GRAPH_MAX_BATCH`` times ``1 + k`` rows, within the step buffers."""
+    return tuple(size * rows_per_request for size in decode_sizes
+                 if size <= VERIFY_GRAPH_MAX_BATCH
+                 and size * rows_per_request <= max_num_tokens)
+
+
+def is_verify_step(num_spec: np.ndarray, num_scheduled: np.ndarray, ends: np.ndarray,
+                   num_tokens: np.ndarray) -> bool:
+    """Whether a step (per request: its proposals, scheduled tokens, computed
+    tokens after the step less its proposals, known tokens) verifies some
+    proposals and every request's tokens are its last token and its
+    proposals: no prompt, chunk or catch-up beside them."""
+    return (bool(num_spec.any()) and bool((num_scheduled == num_spec + 1).all())
+            and bool((ends == num_tokens).all()))
+
 
 class VerifyBuffers:
     """Fixed device tensors of a verify step's one-token-per-row metadata,

@@ -382,16 +382,23 @@ def test_async_scheduling_queues_the_next_step_before_reporting_a_speculative_on
     for async_scheduling in (False, True):
         llm = LLM(model=str(target), block_size=4, async_scheduling=async_scheduling,
                   speculative_config=spec("ngram", prompt_lookup_min=1))
-        core: Any = llm.engine.core.core  # the EngineCore behind the in-process client
-        left_in_flight: list[bool] = []
-        step = core.step
-
-        def spy() -> Any:
-            outputs = step()
-            left_in_flight.append(any(out.is_spec_step for out, _ in core._in_flight))
-            return outputs
-
-        core.step = spy
+        left_in_flight = spy_on_speculative_steps_left_in_flight(llm)
         assert summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
         assert llm.stats()["spec_decode_num_draft_tokens"] > 0
         assert any(left_in_flight) == async_scheduling
+
+
+def spy_on_speculative_steps_left_in_flight(llm: LLM) -> list[bool]:
+    """Per ``EngineCore.step`` call: whether it returned with a speculative
+    step still in flight."""
+    core: Any = llm.engine.core.core  # the EngineCore behind the in-process client
+    left_in_flight: list[bool] = []
+    step = core.step
+
+    def spy() -> Any:
+        outputs = step()
+        left_in_flight.append(any(out.is_spec_step for out, _ in core._in_flight))
+        return outputs
+
+    core.step = spy
+    return left_in_flight
