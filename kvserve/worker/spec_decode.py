@@ -180,7 +180,9 @@ class SpecDecodeRunner:
             logits = decode_out[0][flat_t]
         else:
             assert hidden is not None, "a step without a decode graph has its hidden states"
-            logits = runner.model.compute_logits(hidden[flat_t])
+            # a verify layout's rows are all verified, in order: no gather
+            logits = runner.model.compute_logits(hidden[:len(flat)] if inputs.verify_layout
+                                                 else hidden[flat_t])
         tokens, accepted_counts = self._verify(logits, sampling, sample_rows, draft_ids, small,
                                                forced_t)
         proposer_start = proposer_end = None
