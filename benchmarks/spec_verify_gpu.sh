@@ -18,7 +18,8 @@ for stage in $stages; do
     case $stage in
         tests)
             run tests python -m pytest -q -m gpu tests/gpu/test_spec_decode_gpu.py \
-                tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tee "$out/tests.log"
+                tests/gpu/test_cuda_graphs_gpu.py > "$out/tests.log" 2>&1
+            tail -15 "$out/tests.log"
             ;;
         oracle-k4)
             run oracle-k4 python benchmarks/spec_decode.py --out "$out/oracle-k4" \
