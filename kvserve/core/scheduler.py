@@ -45,7 +45,8 @@ back ``num_computed_tokens`` by the rejected proposals and frees the whole
 blocks past it, so only accepted tokens stay (and only blocks full of
 accepted tokens are ever registered in the prefix cache). A step that
 verifies or proposes must be read before the next one is planned
-(``SchedulerOutput.is_spec_step``): the engine core runs it synchronously.
+(``SchedulerOutput.is_spec_step``): the engine core reads it before it
+calls ``schedule`` again.
 
 With ``step_token_sizes`` (the token counts the runner has CUDA graphs for)
 the last prompt chunk admitted to a step is trimmed so that the step ends on

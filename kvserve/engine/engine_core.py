@@ -15,8 +15,13 @@ its outputs, so the host's scheduling, input preparation and output
 processing overlap the device's work instead of leaving it idle. Greedy
 output is the same either way; a request that stops (EOS, stop string) costs
 one step of wasted device work for it. A speculative step (one that verifies
-proposals or makes them) is reported in the call that queued it: the next
-step is planned from its accepted tokens and new proposals.
+proposals or makes them) must be read before the next step is planned (from
+its accepted tokens and new proposals): without async scheduling it is
+reported in the call that queued it; with it, it stays in flight and the
+next call reads it, plans and queues the next step, and only then returns
+its outputs, so the front end's output processing (detokenising, stop
+strings) overlaps the next step's device work as for plain steps. Its stop
+strings and aborts then land one step late, as they do for plain steps.
 
 With pipeline parallelism (``pipeline_parallel_size`` stages) as many steps
 are kept in flight as there are stages, so each stage works on its own
@@ -152,12 +157,18 @@ class EngineCore:
         """Schedule and queue a step; report the oldest step beyond those kept
         in flight: this one, or with async scheduling one queued by an earlier
         call. An empty step is never left in flight; it reports the oldest
-        step in flight, so its requests can run again."""
+        step in flight, so its requests can run again. A speculative step in
+        flight is reported before the next step is planned."""
+        outputs = []
+        if self._in_flight and self._in_flight[-1][0].is_spec_step:
+            outputs = self._report(list(self._in_flight))
+            self._in_flight.clear()
         self._prefetch_loras()
         scheduler_output = self.scheduler.schedule()
         pending = self.executor.execute_model(scheduler_output)
         to_report: list[tuple[SchedulerOutput, PendingOutput]] = []
-        if scheduler_output.is_spec_step:  # read at once: the next step is planned from it
+        if scheduler_output.is_spec_step and not self.max_in_flight:
+            # read at once: the next step is planned from it
             to_report.extend(self._in_flight)
             self._in_flight.clear()
             to_report.append((scheduler_output, pending))
@@ -169,8 +180,13 @@ class EngineCore:
             self._in_flight.append((scheduler_output, pending))
             while len(self._in_flight) > self.max_in_flight:
                 to_report.append(self._in_flight.popleft())
+        return outputs + self._report(to_report)
+
+    def _report(self, steps: list[tuple[SchedulerOutput, PendingOutput]]
+                ) -> list[EngineCoreOutput]:
+        """Wait for ``steps`` (oldest first) and update the scheduler from them."""
         outputs = []
-        for reported_output, reported_pending in to_report:
+        for reported_output, reported_pending in steps:
             start = time.perf_counter()
             runner_output = reported_pending.get()
             self.wait_s += time.perf_counter() - start
