@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The verify-step checks of decision NNNN-spec-verify-graphs on one GPU: the GPU tests of
+# The verify-step checks of decision 0038 on one GPU: the GPU tests of
 # speculative decoding (verify graphs vs eager vs plain at batch 1 and 8, k in {1, 2, 4}; the
 # verify layout with fused rotary; every method), then the oracle on the llama-3-8b preset at
 # batch 1, k = 4, alpha = 0.8 with async scheduling and without (the verify / plain step ratio
