@@ -180,7 +180,13 @@ class EngineCore:
             self._in_flight.append((scheduler_output, pending))
             while len(self._in_flight) > self.max_in_flight:
                 to_report.append(self._in_flight.popleft())
-        return outputs + self._report(to_report)
+        outputs += self._report(to_report)
+        if self.kv_connector is not None:
+            self.kv_connector.after_step(outputs)
+            if scheduler_output.is_empty and not self._in_flight and not outputs:
+                self.kv_connector.wait()  # only transfers under way: do not spin
+        self.last_step_s = time.monotonic()
+        return outputs
 
     def _report(self, steps: list[tuple[SchedulerOutput, PendingOutput]]
                 ) -> list[EngineCoreOutput]:
@@ -195,11 +201,6 @@ class EngineCore:
             self.num_padding_tokens += runner_output.num_padding_tokens
             outputs += self.scheduler.update_from_output(reported_output, runner_output)
             self.num_steps += not reported_output.is_empty
-        if self.kv_connector is not None:
-            self.kv_connector.after_step(outputs)
-            if scheduler_output.is_empty and not self._in_flight and not outputs:
-                self.kv_connector.wait()  # only transfers under way: do not spin
-        self.last_step_s = time.monotonic()
         return outputs
 
     def _prefetch_loras(self) -> None:
