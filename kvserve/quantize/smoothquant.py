@@ -22,6 +22,8 @@ follows the paper.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvserve.quant import int8
@@ -39,7 +41,7 @@ def activation_absmax(inputs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def smoothing_scales(
-    x_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float
+    x_absmax: torch.Tensor, weights: Sequence[torch.Tensor], alpha: float
 ) -> torch.Tensor:
     """``s [K]`` for a group of linears ``weights`` (each ``[N_i, K]``) whose
     input's per-channel maxima are ``x_absmax [K]``."""
