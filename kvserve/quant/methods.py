@@ -29,8 +29,9 @@ activations per token as it runs: with ``use_triton`` on CUDA through the
 Triton quantiser and ``torch._scaled_mm``, else the torch reference
 (``quant/fp8.py``). ``Int8W8A8LinearMethod`` is the same with int8 weights
 and int8 per-token activations: with ``use_triton`` on CUDA the Triton
-quantiser and ``torch._int_mm`` (int32 accumulation) then the scales and
-bias in float32, else the torch reference (``quant/int8.py``). Loading checkpoints
+quantiser, ``torch._int_mm`` (int32 accumulation) and a Triton epilogue
+(the scales and bias in float32, one pass), else the torch reference
+(``quant/int8.py``). Loading checkpoints
 of other layouts is not done here: ``quant/formats`` converts them first.
 A method's parameters are set on the layer by name, so ``layer`` is typed
 ``Any`` here.
@@ -326,14 +327,14 @@ class Int8W8A8LinearMethod(Fp8LinearMethod):
     ) -> torch.Tensor:
         if layer.use_triton and _int_mm_supported(x, layer.qweight):
             from kvserve.kernels.fp8_quant import per_token_quant_int8
+            from kvserve.kernels.int8_scale import scale_int32
 
             rows = x.reshape(-1, x.shape[-1])
-            # torch._int_mm wants more than 16 rows: a small batch gets zero rows (sliced off)
+            # torch._int_mm wants more than 16 rows: a small batch gets zero rows (not read back)
             xq, x_scales = per_token_quant_int8(
                 rows.contiguous(), INT_MM_MIN_ROWS if rows.shape[0] < INT_MM_MIN_ROWS else None)
-            acc = torch._int_mm(xq, layer.qweight.t())[:rows.shape[0]]
-            out = int8.scale_int32_product(acc, x_scales[:rows.shape[0]], layer.scales, bias,
-                                           x.dtype)
+            acc = torch._int_mm(xq, layer.qweight.t())
+            out = scale_int32(acc, x_scales, layer.scales, bias, x.dtype, rows.shape[0])
             return out.reshape(*x.shape[:-1], layer.output_size)
         return int8.int8_linear_reference(x, layer.qweight, layer.scales, bias)
 

@@ -3,7 +3,8 @@ per-token int8 quantiser bit-equal to the torch reference over a grid of
 shapes (llama-3-8b's K of 4096 and 14336, one block a row and several, small
 batches padded for ``torch._int_mm``), the ``torch._int_mm`` path against the
 reference's arithmetic (batch 1 to 4096 rows: the int32 sums exact, so only
-the float32 epilogue's rounding differs), and the engine with
+the float32 epilogue's rounding differs), the Triton epilogue against the
+reference's, and the engine with
 ``quantization="w8a8-int8"``: greedy tokens identical with CUDA graphs on and
 off, identical between batch 1 and batch 64, and close to bfloat16."""
 
@@ -39,6 +40,22 @@ def test_quantiser_is_bit_equal_to_the_reference(dtype: torch.dtype, rows: int, 
     assert out.shape[0] == max(rows, 32)
     assert torch.equal(scales[:rows], expected_scales) and torch.equal(out[:rows], expected)
     assert not out[rows:].any() and not scales[rows:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,n", [(1, 6144), (33, 4096), (4096, 28672), (5, 100)])
+def test_epilogue_matches_the_reference(dtype: torch.dtype, rows: int, n: int) -> None:
+    from kvserve.kernels.int8_scale import scale_int32
+
+    acc = torch.randint(-2**24, 2**24, (max(rows, 32), n), device="cuda", dtype=torch.int32)
+    x_scales = torch.rand(acc.shape[0], 1, device="cuda") * 1e-2
+    w_scales = torch.rand(n, 1, device="cuda") * 1e-3
+    bias = torch.randn(n, device="cuda").to(dtype)
+    out = scale_int32(acc, x_scales, w_scales, bias, dtype, rows)
+    ref = int8.scale_int32_product(acc[:rows], x_scales[:rows], w_scales, bias, dtype)
+    # a fused multiply-add may round the float32 sum once where torch rounds twice
+    assert out.shape == (rows, n)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-6)
 
 
 @pytest.mark.parametrize("m", [1, 16, 17, 257, 4096])

@@ -2,7 +2,8 @@
 reference's arithmetic (``quant/int8.py``: int32 sums exact, the scales after),
 the Triton per-token quantiser under ``TRITON_INTERPRET=1`` bit-equal to it
 (one block and several per row, float32 / bfloat16 / float16, rows of zeros,
-zero rows padded for ``torch._int_mm``), ``torch._int_mm`` on the CPU equal to
+zero rows padded for ``torch._int_mm``) and so the Triton epilogue (scales,
+bias, cast; padded rows left out), ``torch._int_mm`` on the CPU equal to
 the reference's int32 product, the config's checks, and the engine on a tiny
 random checkpoint: close to 16 bits. ``tests/gpu/test_int8_w8a8_gpu.py``
 checks the compiled kernel and the ``torch._int_mm`` path;
@@ -21,7 +22,7 @@ from tests.triton_interpreter import require_interpreter
 require_interpreter("tests/gpu/test_int8_w8a8_gpu.py")
 
 from kvserve import LLM, SamplingParams  # noqa: E402 (after the interpreter switch)
-from kvserve.kernels import fp8_quant  # noqa: E402
+from kvserve.kernels import fp8_quant, int8_scale  # noqa: E402
 from kvserve.quant import int8  # noqa: E402
 from kvserve.quant.config import QuantConfig, quantize_at_load  # noqa: E402
 from kvserve.quant.methods import Int8W8A8LinearMethod, linear_method  # noqa: E402
@@ -81,6 +82,30 @@ def test_triton_quantiser_is_bit_equal_to_the_reference(
     assert padded.shape == (9, k) and padded_scales.shape == (9, 1)
     assert torch.equal(padded[:5], expected) and not padded[5:].any()
     assert torch.equal(padded_scales[:5], expected_scales) and not padded_scales[5:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_triton_epilogue_is_bit_equal_to_the_reference(dtype: torch.dtype, with_bias: bool
+                                                        ) -> None:
+    generator = torch.Generator().manual_seed(4)
+    acc = torch.randint(-2**24, 2**24, (40, 200), generator=generator, dtype=torch.int32)
+    x_scales = torch.rand(40, 1, generator=generator) * 1e-2
+    w_scales = torch.rand(200, 1, generator=generator) * 1e-3
+    bias = torch.randn(200, generator=generator).to(dtype) if with_bias else None
+    out = int8_scale.scale_int32(acc, x_scales, w_scales, bias, dtype, num_rows=37)
+    expected = int8.scale_int32_product(acc[:37], x_scales[:37], w_scales, bias, dtype)
+    assert out.shape == (37, 200) and out.dtype == dtype
+    if dtype == torch.bfloat16:  # the interpreter truncates to bfloat16: within one step
+        assert bool(((out.float() - expected.float()).abs()
+                     <= expected.float().abs() * 2**-7).all())
+    else:
+        assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match=r"num_rows=41: expected 0\.\.40"):
+        int8_scale.scale_int32(acc, x_scales, w_scales, bias, dtype, num_rows=41)
+    with pytest.raises(ValueError, match=r"w_scales: expected 200 contiguous float32"):
+        int8_scale.scale_int32(acc, x_scales, w_scales[:100], bias, dtype, num_rows=3)
 
 
 def test_config_and_method() -> None:
