@@ -7,7 +7,9 @@
 - Activations: dynamic, one float32 scale per token (row of x), ``amax /
   127``, values round(x / scale) in [-127, 127], ties to even
   (``quantize_per_token``); a row of zeros gets scale 0 and zeros.
-- The product: int8 values multiplied and summed exactly in int32, then
+- The product: int8 values multiplied and summed exactly into int32
+  (``int8_matmul``: float32 GEMMs over chunks of columns small enough that
+  every sum is an exact integer), then
   times the token's scale and the channel's scale in float32, plus the bias,
   cast to the activations' dtype (``int8_linear_reference``): what
   ``torch._int_mm`` and the epilogue of ``Int8W8A8LinearMethod`` compute on
@@ -23,6 +25,9 @@ from __future__ import annotations
 import torch
 
 INT8_MAX = 127.0
+# input columns whose int8 products sum exactly in float32: every partial sum
+# is an integer of magnitude <= 1024 * 128 * 128 = 2**24
+EXACT_FLOAT32_COLUMNS = 1024
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +46,18 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 ``[M, K]``, float32 ``[M, 1]`` per-token scales) of activations ``x [M, K]``."""
     return _quantize_rows(x)
+
+
+def int8_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """``xq [M, K] @ wq [N, K].T`` of int8 values, summed exactly into int32:
+    float32 GEMMs over column chunks whose sums are exact (so the CPU's
+    BLAS runs it; an int32 matmul is several times slower there)."""
+    k = xq.shape[1]
+    acc = torch.zeros(xq.shape[0], wq.shape[0], dtype=torch.int32, device=xq.device)
+    for start in range(0, k, EXACT_FLOAT32_COLUMNS):
+        stop = min(k, start + EXACT_FLOAT32_COLUMNS)
+        acc += (xq[:, start:stop].float() @ wq[:, start:stop].float().t()).to(torch.int32)
+    return acc
 
 
 def scale_int32_product(
@@ -66,6 +83,6 @@ def int8_linear_reference(
     """``x @ w.T + bias`` with x quantised per token and w per channel (INT8 W8A8)."""
     rows = x.reshape(-1, x.shape[-1])
     xq, x_scales = quantize_per_token(rows)
-    acc = xq.to(torch.int32) @ qweight.to(torch.int32).t()  # exact: |sum| < 2**31
+    acc = int8_matmul(xq, qweight)
     out = scale_int32_product(acc, x_scales, scales, bias, x.dtype)
     return out.reshape(*x.shape[:-1], qweight.shape[0])

@@ -57,9 +57,12 @@ def test_reference_quantises_per_token_and_sums_exactly() -> None:
 
 def test_int_mm_on_the_cpu_is_the_references_int32_product() -> None:
     generator = torch.Generator().manual_seed(2)
-    a = torch.randint(-127, 128, (5, 64), generator=generator, dtype=torch.int8)
-    b = torch.randint(-128, 128, (24, 64), generator=generator, dtype=torch.int8)
-    assert torch.equal(torch._int_mm(a, b.t()), a.to(torch.int32) @ b.to(torch.int32).t())
+    a = torch.randint(-127, 128, (5, 2500), generator=generator, dtype=torch.int8)
+    b = torch.randint(-128, 128, (24, 2500), generator=generator, dtype=torch.int8)
+    a[0], b[0] = -128, -128  # the largest sums: 2500 * 2**14, past float32's exact range
+    exact = a.to(torch.int64) @ b.to(torch.int64).t()
+    assert torch.equal(int8.int8_matmul(a, b).long(), exact)
+    assert torch.equal(torch._int_mm(a, b.t()).long(), exact)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
