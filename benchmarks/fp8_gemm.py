@@ -120,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="W8A8 paths to time against bf16 (default: both)")
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    from kvserve.bench.device_rates import cuda_card
+
+    card = cuda_card()
+    if card is None:
         return 2
-    torch.manual_seed(0)
-    card = torch.cuda.get_device_name()
     report: dict[str, Any] = {"card": card, "torch": torch.__version__,
                               "bf16_tflop_s": rate_tflop_s("bf16"), "types": args.types,
                               "rows": []}

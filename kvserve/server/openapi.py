@@ -26,7 +26,13 @@ from kvserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kvserve.server.responses_protocol import STREAM_EVENTS, ResponseObject, ResponsesRequest
+from kvserve.server.responses_protocol import (
+    STREAM_EVENTS,
+    DeletedResponse,
+    InputItemList,
+    ResponseObject,
+    ResponsesRequest,
+)
 
 REF = "#/components/schemas/{model}"
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
@@ -220,7 +226,7 @@ _MODELS: list[type[BaseModel]] = [
     CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
     ErrorResponse, CompletionResponse, ChatCompletionResponse, ChatCompletionChunk, ModelList,
     ModelCard, Status, Version, TokenizeResponse, DetokenizeResponse, TokenizerInfo,
-    ResponsesRequest, ResponseObject, *STREAM_EVENTS,
+    ResponsesRequest, ResponseObject, DeletedResponse, InputItemList, *STREAM_EVENTS,
 ]
 _ERRORS = {400: "invalid request (the error's param names the field)",
            401: "missing or wrong API key (when the server has keys)",
@@ -276,13 +282,29 @@ def _responses_paths() -> dict[str, Any]:
                           "properties": {"event": {"type": "string"}, "data": {
                               "contentMediaType": "application/json",
                               "contentSchema": events}}}}}}
+    path_id = {"name": "response_id", "in": "path", "required": True,
+               "schema": {"type": "string"}}
     retrieve = _operation("a stored response", _json(ResponseObject, "the response"),
                           errors=(401, 404))
-    retrieve["parameters"] = [{"name": "response_id", "in": "path", "required": True,
-                               "schema": {"type": "string"}}]
+    delete = _operation("forget a stored response", _json(DeletedResponse, "deleted"),
+                        errors=(401, 404))
+    cancel = _operation("cancel a background response (kvserve runs none: always 400 or "
+                        "404)", _json(ResponseObject, "the cancelled response"),
+                        errors=(400, 401, 404))
+    items = _operation("a page of a stored response's input items",
+                       _json(InputItemList, "the page"), errors=(400, 401, 404))
+    items["parameters"] = [path_id, *(
+        {"name": name, "in": "query", "required": False, "schema": schema}
+        for name, schema in (("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+                             ("order", {"enum": ["asc", "desc"]}),
+                             ("after", {"type": "string"})))]
+    for operation in (retrieve, delete, cancel):
+        operation["parameters"] = [path_id]
     return {"/v1/responses": {"post": _operation("a response (OpenAI's Responses API)", ok,
                                                  ResponsesRequest, (400, 401, 404, 413, 503))},
-            "/v1/responses/{response_id}": {"get": retrieve}}
+            "/v1/responses/{response_id}": {"get": retrieve, "delete": delete},
+            "/v1/responses/{response_id}/cancel": {"post": cancel},
+            "/v1/responses/{response_id}/input_items": {"get": items}}
 
 
 @functools.cache

@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -351,6 +351,19 @@ class _ChoiceState:
     num_sent_chars: int = 0  # chat with tools: content characters sent
 
 
+class SSEWriter(Protocol):
+    """A streaming request's frames: its opening, one step's outputs, the
+    end, or an error in place of the end."""
+
+    def opening(self) -> list[str]: ...
+
+    def frames(self, prompt_index: int, output: RequestOutput) -> list[str]: ...
+
+    def closing(self) -> list[str]: ...
+
+    def error(self, error: APIError) -> list[str]: ...
+
+
 class StreamWriter:
     """Turns engine outputs into SSE frames, one choice per chunk."""
 
@@ -374,6 +387,14 @@ class StreamWriter:
                             "logprobs": None, "finish_reason": None}],
                           self._continuous_usage())
                 for index in range(job.num_choices)]
+
+    def closing(self) -> list[str]:
+        """The usage chunk (when asked for) and ``[DONE]``."""
+        usage = [self.job.chunk([], self.usage())] if self.job.body.include_usage else []
+        return [*usage, DONE_FRAME]
+
+    def error(self, error: APIError) -> list[str]:
+        return [f"data: {json.dumps(error.body())}\n\n", DONE_FRAME]
 
     def _echo(self, index: int, prompt_index: int, output: RequestOutput) -> str:
         """The chunk echoing a completions choice's prompt (with its logprobs)."""
@@ -707,9 +728,13 @@ class OpenAIServing:
             outputs[index] = output
         return outputs
 
+    def _writer(self, job: Job) -> SSEWriter:
+        """The frames of a streaming request (the Responses API's differ)."""
+        return StreamWriter(job)
+
     async def _stream(self, job: Job, merger: OutputMerger,
                       first: tuple[int, RequestOutput] | None) -> AsyncGenerator[str, None]:
-        writer = StreamWriter(job)
+        writer = self._writer(job)
         try:
             for frame in writer.opening():
                 yield frame
@@ -720,13 +745,13 @@ class OpenAIServing:
                 for frame in writer.frames(index, output):
                     yield frame
                 item = await merger.next()
-            if job.body.include_usage:
-                yield job.chunk([], writer.usage())
+            for frame in writer.closing():
+                yield frame
         except Exception as exc:
             error = self._api_error(exc, job)
             job.timer.close("error" if error.status >= 500 else None)
-            yield f"data: {json.dumps(error.body())}\n\n"
-        yield DONE_FRAME
+            for frame in writer.error(error):
+                yield frame
 
     def _api_error(self, exc: Exception, job: Job) -> APIError:
         """An exception raised while serving, as the error to send."""

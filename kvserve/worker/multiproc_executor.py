@@ -54,6 +54,7 @@ from kvserve.worker.worker import (
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
+PEER_DEATH_WAIT_S = 1.0  # how long a rank's error waits to learn whether a peer died
 
 
 class WorkerFailedError(RuntimeError):
@@ -254,7 +255,7 @@ class MultiprocExecutor:
             except (EOFError, OSError):
                 self._fail(self._death_notice(rank))
             if message[0] == "error":
-                self._fail(f"rank {rank} failed:\n{message[2]}")
+                self._fail(self._error_notice(rank, message[2]))
             messages.append((rank, message))
         if not messages:  # a local process ended without a word
             self._check_processes()
@@ -275,6 +276,18 @@ class MultiprocExecutor:
                     return (f"worker rank {rank} (pid {worker.process.pid}) exited with code "
                             f"{worker.process.exitcode}")
         return f"worker rank {rank} closed its connection (it died)"
+
+    def _error_notice(self, rank: int, text: str) -> str:
+        """A rank's error, led by the death of another local worker if one has
+        exited within a second: a collective fails on every rank when a peer dies,
+        and the death is the cause to report."""
+        deadline = time.monotonic() + PEER_DEATH_WAIT_S
+        for worker in self.workers:
+            if worker.rank != rank:
+                worker.process.join(max(0.0, deadline - time.monotonic()))
+                if worker.process.exitcode is not None:
+                    return f"{self._death_notice(worker.rank)}; rank {rank} then failed:\n{text}"
+        return f"rank {rank} failed:\n{text}"
 
     def _raise_if_failed(self) -> None:
         if self.failure is not None:
