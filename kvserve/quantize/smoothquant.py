@@ -62,11 +62,6 @@ def to_quantized_weight(weight: torch.Tensor) -> QuantizedWeight:
                            zeros=None, bits=8, group_size=weight.shape[1])
 
 
-def int8_values(qw: QuantizedWeight) -> torch.Tensor:
-    """The signed int8 values of an 8-bit symmetric per-channel ``QuantizedWeight``."""
-    return (qw.qweight.to(torch.int16) - 128).to(torch.int8)
-
-
 @torch.no_grad()
 def smooth_and_quantize(
     runner: LayerRunner, linears: tuple[str, ...], norms: tuple[str, ...], alpha: float,
