@@ -452,3 +452,6 @@ class EngineConfig:
     max_logprobs: int = 20
     # torch threads of an engine on the CPU; None: chosen at start-up
     num_cpu_threads: int | None = None
+    # SamplingParams fields -> the model's recommended values (its
+    # generation_config.json, --generation-config): what a request leaves unset
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)

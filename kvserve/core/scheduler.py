@@ -110,6 +110,8 @@ class Scheduler:
         self._uses_lookahead = (speculative_config is not None
                                 and speculative_config.uses_lookahead_slots)
         self._num_spec_step = 0  # tokens to propose per sampling request this step
+        # adapters being read back into host memory: their waiting requests wait
+        self.loras_loading: set[int] = set()
 
     # ---------------------------------------------------------------- admission
 
@@ -276,9 +278,10 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs
                and len(out.num_scheduled_tokens) < max_reqs):
             request = self.waiting[index]
-            if (request.lora_int_id and request.lora_int_id not in running_loras
-                    and len(running_loras) >= self.max_loras):
-                index += 1  # its adapter waits for a slot; later requests may still run
+            if request.lora_int_id and (request.lora_int_id in self.loras_loading or (
+                    request.lora_int_id not in running_loras
+                    and len(running_loras) >= self.max_loras)):
+                index += 1  # its adapter waits for a slot or a read; later requests may run
                 continue
             if request.num_output_placeholders and self.num_stages > 1:
                 index += 1  # preempted with a step in flight: it resumes once that is back
@@ -324,6 +327,18 @@ class Scheduler:
                 request.times.first_scheduled_s = time.monotonic()
             self._record(request, num_new, [], out, 0, num_draft)
             budget -= num_new
+
+    def waiting_lora_ids(self) -> list[int]:
+        """The adapters of the waiting requests that no running request uses,
+        in queue order, at most ``max_loras`` (those that could start next)."""
+        running = {r.lora_int_id for r in self.running}
+        wanted: list[int] = []
+        for request in self.waiting:
+            if len(wanted) == self.max_loras:
+                break
+            if request.lora_int_id and request.lora_int_id not in running | set(wanted):
+                wanted.append(request.lora_int_id)
+        return wanted
 
     def _free_seats(self) -> int:
         """Requests that may be landing (copies in from the host tier) at once:

@@ -29,6 +29,7 @@ from kvserve.config import (
     SchedulerConfig,
 )
 from kvserve.distributed.sharding import check_split
+from kvserve.engine.generation_config import read_sampling_defaults
 from kvserve.engine.speculative import resolve_speculative_config
 from kvserve.engine.tokenizer import has_tokenizer
 from kvserve.models.hub import HubOptions
@@ -133,6 +134,8 @@ class EngineArgs:
     chat_template: str | None = None
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     num_cpu_threads: int | None = None
+    # "auto": the model's generation_config.json; "vllm": none; else a folder holding one
+    generation_config: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # None: torchrun's variables (MASTER_ADDR, ...) when set, else one node on 127.0.0.1
@@ -192,6 +195,8 @@ class EngineArgs:
             cuda_graph_sizes = self._cuda_graph_sizes()
             cuda_graph_token_sizes = self._cuda_graph_token_sizes(max_batched)
         tokenizer = self._tokenizer_path(model, path, hub)
+        sampling_defaults = read_sampling_defaults(self.generation_config,
+                                                   str(path) if path is not None else None)
         return EngineConfig(
             model=model,
             model_config=model_config,
@@ -230,6 +235,7 @@ class EngineArgs:
             chat_template=chat_template,
             max_logprobs=self.max_logprobs,
             num_cpu_threads=self.num_cpu_threads,
+            sampling_defaults=sampling_defaults,
             speculative_config=resolve_speculative_config(self.speculative_config, model_config,
                                                           path, max_model_len),
         )
@@ -419,6 +425,12 @@ class EngineArgs:
                                 "of the tokenizer's")
         group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
                            help="the most top logprobs a request may ask for; -1: no limit "
+                                "(default: %(default)s)")
+        group.add_argument("--generation-config", default=defaults.generation_config,
+                           help="default sampling parameters (temperature, top_p, top_k, "
+                                "min_p, repetition_penalty, max_new_tokens as max_tokens): "
+                                "'auto' from the model's generation_config.json, 'vllm' none, "
+                                "or a folder holding one; a request's values win "
                                 "(default: %(default)s)")
         group.add_argument("--num-cpu-threads", type=int, default=None,
                            help="torch threads of an engine on the CPU (default: the cores "

@@ -37,6 +37,9 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.lora.request import LoRARequest
 
+# how long an idle step waits while adapters are read back from disk
+LORA_READ_POLL_S = 0.002
+
 
 class PendingOutput(Protocol):
     """A queued step; ``get`` waits for it (a ``ModelRunnerOutput`` is one, done)."""
@@ -140,6 +143,7 @@ class EngineCore:
         in flight: this one, or with async scheduling one queued by an earlier
         call. An empty step is never left in flight; it reports the oldest
         step in flight, so its requests can run again."""
+        self._prefetch_loras()
         scheduler_output = self.scheduler.schedule()
         pending = self.executor.execute_model(scheduler_output)
         to_report: list[tuple[SchedulerOutput, PendingOutput]] = []
@@ -167,6 +171,17 @@ class EngineCore:
             self.num_steps += not reported_output.is_empty
         self.last_step_s = time.monotonic()
         return outputs
+
+    def _prefetch_loras(self) -> None:
+        """Start reading the adapters the next waiting requests need and the
+        host cache dropped; the scheduler holds those requests back until
+        they are in (an executor without ``prefetch_loras`` reads in its step)."""
+        prefetch = getattr(self.executor, "prefetch_loras", None)
+        if prefetch is None or not self.scheduler.max_loras:
+            return
+        loading = self.scheduler.loras_loading = prefetch(self.scheduler.waiting_lora_ids())
+        if loading and not self.scheduler.running and not self._in_flight:
+            time.sleep(LORA_READ_POLL_S)  # nothing else to run: no busy loop
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests or bool(self._in_flight)

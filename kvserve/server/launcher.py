@@ -184,6 +184,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvserve.assets import DEFAULT_MODEL
     from kvserve.engine.args import EngineArgs
+    from kvserve.engine.generation_config import describe
     from kvserve.server.api import build_app
     from kvserve.server.state import DrainingServer, ServerConfig, ServerState
 
@@ -256,6 +257,10 @@ def run_serve(args: argparse.Namespace) -> int:
     state.request_exit = server.request_exit
     logger.info("kvserve serve: %s on http://%s:%d (model %s)", config.model_name, args.host,
                 args.port, engine_config.model)
+    if engine_config.sampling_defaults:
+        logger.info("default sampling parameters from the model's generation config: %s "
+                    "(a request's own values win; --generation-config vllm ignores them)",
+                    describe(engine_config.sampling_defaults))
     server.run()
     if state.exit_code:
         # the engine thread may be stuck in a forward that never returns; the

@@ -597,18 +597,25 @@ class OpenAIServing:
 
     def _sampling_params(self, body: SamplingRequest, top_logprobs: int | None,
                          prompt_param: str, prompt_logprobs: int | None) -> SamplingParams:
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
+        # the model's generation_config values stand in for unset fields
+        client = self.state.client
+        model = client.config.sampling_defaults if client is not None else {}
+
+        def pick(value: Any, name: str, default: Any) -> Any:
+            return model.get(name, default) if value is None else value
 
         try:
             return SamplingParams(
-                n=body.n, temperature=pick(body.temperature, 1.0), top_p=pick(body.top_p, 1.0),
-                top_k=pick(body.top_k, 0), min_p=pick(body.min_p, 0.0),
-                presence_penalty=pick(body.presence_penalty, 0.0),
-                frequency_penalty=pick(body.frequency_penalty, 0.0),
-                repetition_penalty=pick(body.repetition_penalty, 1.0), seed=body.seed,
-                stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                max_tokens=body.requested_max_tokens(), min_tokens=body.min_tokens,
+                n=body.n, temperature=pick(body.temperature, "temperature", 1.0),
+                top_p=pick(body.top_p, "top_p", 1.0), top_k=pick(body.top_k, "top_k", 0),
+                min_p=pick(body.min_p, "min_p", 0.0),
+                presence_penalty=pick(body.presence_penalty, "", 0.0),
+                frequency_penalty=pick(body.frequency_penalty, "", 0.0),
+                repetition_penalty=pick(body.repetition_penalty, "repetition_penalty", 1.0),
+                seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos,
+                max_tokens=body.requested_max_tokens(model.get("max_tokens")),
+                min_tokens=body.min_tokens,
                 logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,

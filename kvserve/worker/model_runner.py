@@ -384,6 +384,11 @@ class ModelRunner:
         """Forget an adapter (False: unknown); no unfinished request may use it."""
         return self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
 
+    def prefetch_loras(self, lora_int_ids: list[int]) -> set[int]:
+        """The adapters a step could not use yet (being read again from disk,
+        off the step loop); see ``LoRAManager.prefetch``."""
+        return self.lora_manager.prefetch(lora_int_ids) if self.lora_manager is not None else set()
+
     def capture_cuda_graphs(self) -> None:
         if not self.cuda_graph_sizes and not self.cuda_graph_token_sizes:
             return
