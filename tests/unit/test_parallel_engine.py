@@ -140,8 +140,9 @@ def test_quantised_weights_split_like_one_process(
     check_split_engine(path, 2, 1, token_ids(one), started, quantization=quantization)
 
 
-def test_fp8_linears_split_near_one_process(
-    tiny_checkpoint: Callable[[str], Path], started: list[LLM]
+@pytest.mark.parametrize("quantization", ["fp8", pytest.param("w8a8-int8", marks=pytest.mark.slow)])
+def test_w8a8_linears_split_near_one_process(
+    quantization: str, tiny_checkpoint: Callable[[str], Path], started: list[LLM]
 ) -> None:
     """A row-parallel linear quantises each rank's slice of the activations
     with its own per-token scale (as vLLM does), so the split's logits are
@@ -150,9 +151,9 @@ def test_fp8_linears_split_near_one_process(
     candidates lie ~0.05 apart; a wrongly sharded weight lands far off)."""
     path = tiny_checkpoint("llama")
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20, ignore_eos=True)
-    one = LLM(model=str(path), device="cpu", block_size=4, quantization="fp8").generate(
+    one = LLM(model=str(path), device="cpu", block_size=4, quantization=quantization).generate(
         PROMPTS, params, use_tqdm=False)
-    llm = parallel_llm(path, 2, 1, **STRESS, quantization="fp8")
+    llm = parallel_llm(path, 2, 1, **STRESS, quantization=quantization)
     started.append(llm)
     for single, split in zip(one, llm.generate(PROMPTS, params, use_tqdm=False), strict=True):
         assert single.outputs[0].logprobs is not None
