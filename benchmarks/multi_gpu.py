@@ -211,25 +211,29 @@ def write_scaling_plot(runs: Runs, path: Path) -> bool:
         return False
     from matplotlib.figure import Figure
 
-    points = sorted((world(r), r["decode_tok_s"]) for n, r in runs.runs.items()
-                    if n.startswith("w1-8b-tp") and not n.endswith("one-shot")
-                    and _latency(runs, n))
-    if not points:
+    w1 = sorted((world(r), r) for n, r in runs.runs.items()
+                if n.startswith("w1-8b-tp") and not n.endswith("one-shot")
+                and _latency(runs, n))
+    if not w1:
         return False
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
-    sizes = [tp for tp, _ in points]
-    ax.plot(sizes, [v for _, v in points], "o-", label="kvserve")
+    sizes = [tp for tp, _ in w1]
+    ax.plot(sizes, [r["decode_tok_s"] for _, r in w1], "o-", label="kvserve")
+    ax.plot(sizes, [tp * r["copy_gb_s"] * 1e9 / r["decode_step_bytes"] for tp, r in w1], "--",
+            color="grey", label="copy-rate bound")
     if sizes[0] == 1:
-        ax.plot(sizes, [points[0][1] * tp for tp in sizes], ":", color="grey", label="linear")
+        ax.plot(sizes, [w1[0][1]["decode_tok_s"] * tp for tp in sizes], ":", color="grey",
+                label="linear from TP=1")
     peers = sorted((int(n[len("gptfast-tp"):]), v) for n, v in runs.decode.items()
                    if n.startswith("gptfast-tp") and v)
     if peers:
         ax.plot([p for p, _ in peers], [v for _, v in peers], "s", label="gpt-fast")
     card = next(iter(runs.runs.values()))["card"]
-    ax.set(xscale="log", xticks=sizes, xticklabels=[str(s) for s in sizes],
-           xlabel="tensor-parallel size", ylabel="decode tok/s (batch 1)",
-           title=f"W1 llama-3-8b on {card}")
+    ax.set_xscale("log", base=2)
+    ax.minorticks_off()
+    ax.set(xticks=sizes, xticklabels=[str(s) for s in sizes], xlabel="tensor-parallel size",
+           ylabel="decode tok/s (batch 1)", title=f"W1 llama-3-8b on {card}")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -166,7 +166,8 @@ def collect(out: Path) -> Runs:
               if r.get("benchmark") == "throughput"}
     for name, r in runs.items():
         if r.get("benchmark") == "latency" and r.get("decode_tok_s"):
-            rows.append((name, r["card"], f"{r['decode_tok_s']:.1f} decode tok/s, TPOT "
+            rows.append((name, r["card"], f"{r['decode_tok_s']:.1f} decode tok/s "
+                         f"({r['decode_tok_s'] / world(r):.1f} per GPU), TPOT "
                          f"{r['mean_tpot_ms']:.2f} ms, MBU per GPU "
                          f"{100 * mbu_per_gpu(r):.1f}% of copy"))
         elif r.get("benchmark") == "throughput":
