@@ -187,11 +187,11 @@ def collect(out: Path) -> Runs:
 
 def write_summary(out: Path, runs: Runs, targets: list[tuple[str, str]]) -> dict[str, Any]:
     """Print the runs' table and the targets' table (last); write ``out/summary.json``."""
+    commits = sorted({str(r.get("commit")) for r in runs.runs.values()})
     summary = {"runs": [{"run": a, "card": b, "figure": c} for a, b, c in runs.rows],
-               "targets": dict(targets),
-               "commits": sorted({str(r.get("commit")) for r in runs.runs.values()})}
+               "targets": dict(targets), "commits": commits}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"commit(s): {', '.join(summary['commits'])}\n")
+    print(f"commit(s): {', '.join(commits)}\n")
     print("| run | card | figure |\n|---|---|---|")
     for row in runs.rows:
         print("| " + " | ".join(row) + " |")
