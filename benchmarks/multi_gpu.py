@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import re
 import sys
 import time
 from pathlib import Path
@@ -241,8 +242,32 @@ def write_scaling_plot(runs: Runs, path: Path) -> bool:
     return True
 
 
+# the engine's log lines (model_runner.py, multiproc_executor.py) that time start-up
+_LOADED = re.compile(r"weights: ([\d.]+) GB in \S+, loaded in ([\d.]+) s")
+_READY = re.compile(r"rank \d+ .* ready in ([\d.]+) s")
+
+
+def startup_lines(out: Path) -> list[str]:
+    """Per run: the slowest rank's weight loading (random weights drawn on the
+    device) and its whole start-up, from ``OUT/*.log``."""
+    lines = []
+    for log in sorted(out.glob("w[12]-*.log")):
+        text = log.read_text(errors="replace")
+        loaded = [(float(gb), float(s)) for gb, s in _LOADED.findall(text)]
+        ready = [float(s) for s in _READY.findall(text)]
+        if loaded:
+            gb, load_s = max(loaded, key=lambda pair: pair[1])
+            whole = f", ready in {max(ready):.1f} s" if ready else ""
+            lines.append(f"{log.stem}: {gb:.2f} GB of weights a rank drawn in {load_s:.1f} s"
+                         f"{whole}")
+    return lines
+
+
 def summarize(out: Path) -> dict[str, Any]:
-    """The scaling plot, then the runs' and the targets' tables (last)."""
+    """Start-up times, the scaling plot, then the runs' and the targets' tables (last)."""
+    startup = startup_lines(out)
+    if startup:
+        print("start-up (slowest rank):\n" + "\n".join(startup) + "\n")
     runs = collect(out)
     lines = scaling_lines(runs)
     if lines:

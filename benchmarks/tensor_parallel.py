@@ -80,8 +80,9 @@ def run_command(name: str, command: list[str], timeout_s: float, out: Path) -> b
 
 
 def bench_command(kind: str, name: str, flags: list[str], out: Path) -> list[str]:
-    """``kvserve bench KIND FLAGS``, its JSON to ``OUT/name.json``."""
-    return [sys.executable, "-m", "kvserve.cli", "bench", kind, *flags,
+    """``kvserve bench KIND FLAGS``, its JSON to ``OUT/name.json`` (INFO logs: each
+    rank's start-up figures and times go to ``OUT/name.log``)."""
+    return [sys.executable, "-m", "kvserve.cli", "--log-level", "INFO", "bench", kind, *flags,
             "--output-json", str(out / f"{name}.json")]
 
 

@@ -123,6 +123,12 @@ def test_summary_tables_plot_and_targets(tmp_path: Path,
     }
     for name, run in runs.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(run))
+    (tmp_path / "w1-70b-tp4.log").write_text(
+        "INFO kvserve.worker.model_runner: weights: 35.28 GB in torch.bfloat16, loaded in 0.4 s\n"
+        "INFO kvserve.worker.model_runner: weights: 35.28 GB in torch.bfloat16, loaded in 0.6 s\n"
+        "INFO kvserve.worker.multiproc_executor: rank 3 (TP rank 3, stage 0, pid 9) on cuda:3: "
+        "weights 35.28 GB, profiled step 2.10 GB, KV 30.00 GB for 80 layers x 2 KV heads, "
+        "900 blocks, ready in 41.5 s\n")
     summary = multi_gpu.summarize(tmp_path)
     targets = summary["targets"]
     assert targets["70B W1 TP=8 / TP=2, same card (target >= 1.8x)"] == "2.00x"
@@ -137,6 +143,7 @@ def test_summary_tables_plot_and_targets(tmp_path: Path,
     assert "TP=4" in scaling and "all-reduce 0.96 ms" in scaling and "bound 1.25 ms" in scaling
     assert "gpt-fast TP4: 400.0" in scaling
     out = capsys.readouterr().out
+    assert "w1-70b-tp4: 35.28 GB of weights a rank drawn in 0.6 s, ready in 41.5 s" in out
     assert out.rstrip().endswith("| 70B W2 TP=4 x PP=2 / TP=8 | 0.75x |")  # the targets last
 
 
