@@ -57,7 +57,7 @@ from benchmarks.tensor_parallel import (
     write_summary,
 )
 from kvserve.config import ModelConfig
-from kvserve.models.presets import get_preset
+from kvserve.models.presets import PRESETS, get_preset
 
 MODEL_8B = ["--model", "llama-3-8b", "--load-format", "dummy", "--dtype", "bfloat16",
             "--disable-tqdm"]
@@ -193,7 +193,7 @@ def scaling_lines(runs: Runs) -> list[str]:
         bound_ms = r["decode_step_bytes"] / tp / (r["copy_gb_s"] * 1e9) * 1e3
         bar = "#" * round(40 * r["decode_tok_s"] / top)
         extra = ""
-        if reduce_us.get(tp) is not None:
+        if reduce_us.get(tp) is not None and r.get("model") in PRESETS:
             layers = ModelConfig.from_hf_config(get_preset(r["model"])).num_layers
             extra = f", all-reduce {2 * layers * reduce_us[tp] / 1e3:.2f} ms"
         speedup = f" ({r['decode_tok_s'] / base:.2f}x TP=1)" if base else ""
