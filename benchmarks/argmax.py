@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from kvserve.bench.device_rates import graph_call_us
+from kvserve.bench.device_rates import cuda_card, graph_call_us
 from kvserve.kernels.argmax import CHUNK, argmax_rows
 
 VOCAB_SIZE = 128256
@@ -47,11 +47,9 @@ def matches(x: torch.Tensor, chunk: int) -> bool:
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    card = cuda_card()
+    if card is None:
         return 2
-    torch.manual_seed(0)
-    card = torch.cuda.get_device_name()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{card} ({num_sms} SMs): [R, {VOCAB_SIZE}] float32, {CALLS_PER_GRAPH} calls a "
           f"graph, {REPLAYS} replays; default chunk {CHUNK}", flush=True)

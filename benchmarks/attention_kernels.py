@@ -34,7 +34,7 @@ import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import paged_attention_ref
-from kvserve.bench.device_rates import copy_rate_gb_s, graph_call_us
+from kvserve.bench.device_rates import copy_rate_gb_s, cuda_card, graph_call_us
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -138,12 +138,10 @@ def main() -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    card = cuda_card()
+    if card is None:
         return 2
-    torch.manual_seed(0)
     copy_gb_s = copy_rate_gb_s()
-    card = torch.cuda.get_device_name()
     num_blocks = max(args.batches) * -(-max(args.contexts) // BLOCK_SIZE) + 1
     # [2, num_blocks, block_size, num_kv_heads, head_dim]
     kv_cache = torch.empty(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE,

@@ -16,15 +16,14 @@ shift
 stages=${*:-latency throughput no-token-graphs no-async reference reference-w2 gptfast hf-static hf-batch summary}
 REFERENCE_W2_PROMPTS=${REFERENCE_W2_PROMPTS:-200}
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source benchmarks/gpu_lib.sh
 engine=(--model llama-3-8b --load-format dummy --dtype bfloat16 --disable-tqdm)
-failed=0
 
 bench() {  # latency|throughput NAME FLAGS...: a failed run is reported and the others go on
     local command=$1 name=$2
     shift 2
-    python -m kvserve.cli bench "$command" "${engine[@]}" "$@" --output-json "$out/$name.json" \
-        || { echo "FAILED: $name" >&2; failed=1; }
+    run "$name" python -m kvserve.cli bench "$command" "${engine[@]}" "$@" \
+        --output-json "$out/$name.json"
 }
 
 for stage in $stages; do
@@ -58,8 +57,8 @@ for stage in $stages; do
                 --workload w2 --num-prompts "$REFERENCE_W2_PROMPTS"
             ;;
         gptfast | hf-static | hf-batch)  # one process each: compiled state and memory stay apart
-            python benchmarks/peers.py "$stage" --num-prompts 200 \
-                --output-json "$out/peer-$stage.json" || { echo "FAILED: $stage" >&2; failed=1; }
+            run "$stage" python benchmarks/peers.py "$stage" --num-prompts 200 \
+                --output-json "$out/peer-$stage.json"
             ;;
         summary)
             python - "$out" <<'EOF'

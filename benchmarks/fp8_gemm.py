@@ -79,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    from kvserve.bench.device_rates import cuda_card
+
+    card = cuda_card()
+    if card is None:
         return 2
-    torch.manual_seed(0)
-    card = torch.cuda.get_device_name()
     report: dict[str, Any] = {"card": card, "torch": torch.__version__,
                               "bf16_tflop_s": rate_tflop_s(False),
                               "fp8_tflop_s": rate_tflop_s(True), "rows": []}

@@ -207,14 +207,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the engine part's runs (each takes 1-3 minutes per KV dtype)")
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
-        return 2
-    from kvserve.bench.device_rates import copy_rate_gb_s
+    from kvserve.bench.device_rates import copy_rate_gb_s, cuda_card
 
-    torch.manual_seed(0)
+    card = cuda_card()
+    if card is None:
+        return 2
     copy_gb_s = copy_rate_gb_s()
-    card = torch.cuda.get_device_name()
     print(f"{card}: device-to-device copy {copy_gb_s:,.0f} GB/s")
     report: dict[str, Any] = {"card": card, "copy_gb_s": copy_gb_s, "torch": torch.__version__}
     failed = False

@@ -53,18 +53,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kvserve.bench.device_rates import copy_rate_gb_s
+from kvserve.bench.device_rates import LLAMA3_8B_LINEARS, copy_rate_gb_s, cuda_card
 from kvserve.kernels import quant_matmul as qm
 from kvserve.kernels.activation import silu_and_mul
 from kvserve.kernels.skinny_gemm import skinny_matmul
 
-SHAPES = {  # name: (N, K) of the weight [N, K]
-    "qkv": (6144, 4096),
-    "o_proj": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
-    "lm_head": (128256, 4096),
-}
+SHAPES = LLAMA3_8B_LINEARS
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192)
 KINDS = {"int8": (8, -1, True), "int4-g128": (4, 128, True), "int4-g128-asym": (4, 128, False)}
 SWEEP_KINDS = ["int8", "int4-g128"]  # zero points cost like symmetric but for one load
@@ -446,10 +440,8 @@ def main() -> int:
                         help="ms of a W1 decode step outside the weight GEMMs (H100: ~0.4)")
     parser.add_argument("--json", help="output file (default $OUT/quant_gemm[_sweep].json)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    if cuda_card() is None:
         return 2
-    torch.manual_seed(0)
     shapes = parse_list(args.shapes, list(SHAPES))
     kinds = parse_list(args.kinds, list(KINDS))
     if args.sweep and args.kinds is None:

@@ -12,16 +12,8 @@ out=${1:?output directory}
 shift
 stages=${*:-kernels w1 sweep w2 70b peers summary}
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source benchmarks/gpu_lib.sh
 engine=(--model llama-3-8b --load-format dummy --dtype bfloat16 --disable-tqdm)
-failed=0
-
-run() {  # NAME COMMAND...: a failed run is reported and the others go on
-    local name=$1
-    shift
-    echo "== $name" >&2
-    "$@" || { echo "FAILED: $name" >&2; failed=1; }
-}
 
 latency() {  # NAME FLAGS...: W1 with the engine flags
     local name=$1

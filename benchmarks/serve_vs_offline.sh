@@ -13,6 +13,7 @@ out=${1:?output directory}; model=${2:-llama-3-8b}; num=${3:-256}
 mkdir -p "$out"
 port=8012
 common=(--model "$model" --load-format dummy --dtype bfloat16 --max-model-len 4096)
+source benchmarks/gpu_lib.sh
 
 python -m kvserve.cli bench throughput "${common[@]}" --workload w3 --num-prompts "$num" \
     --max-output-len 256 --output-json "$out/offline.json" --disable-tqdm
@@ -20,15 +21,7 @@ python -m kvserve.cli bench throughput "${common[@]}" --workload w2 \
     --output-json "$out/offline-w2.json" --disable-tqdm
 
 for core in process inproc; do
-    python -m kvserve.cli serve "${common[@]}" --engine-core "$core" --port "$port" \
-        --disable-access-log --uvicorn-log-level warning > "$out/server-$core.log" 2>&1 &
-    server=$!
-    trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
-    for _ in $(seq 1 300); do
-        curl -sf "http://127.0.0.1:$port/ready" > /dev/null && break
-        kill -0 "$server" 2>/dev/null || { tail -20 "$out/server-$core.log"; exit 1; }
-        sleep 1
-    done
+    start_server "$out/server-$core.log" "$port" "${common[@]}" --engine-core "$core"
     # the preset has no tokenizer: the byte tokenizer makes ~4 prompt tokens per
     # requested "token" of random words, so 256 here is about 1,000 prompt tokens
     bench=(python -m kvserve.cli bench serve --base-url "http://127.0.0.1:$port"
@@ -38,8 +31,7 @@ for core in process inproc; do
     "${bench[@]}" --dataset-name w2 --workload-vocab-size 128000 --num-prompts 1000 \
         --request-rate inf --result-filename "serve-$core-w2.json"
     "${bench[@]}" --num-prompts 64 --request-rate 1 --result-filename "serve-$core-1.json"
-    kill -TERM "$server"; wait "$server" || true
-    trap - EXIT
+    stop_server
 done
 
 python - "$out" <<'EOF'

@@ -5,16 +5,10 @@
 set -euo pipefail
 out=${1:?output directory}; rates=${2:-"inf,16,4,1"}; model=${3:-llama-3-8b}; num=${4:-500}
 port=8011
-python -m kvserve.cli serve --model "$model" --load-format dummy --dtype bfloat16 \
-    --max-model-len 4096 --port "$port" --disable-access-log --uvicorn-log-level warning \
-    > "$out/server.log" 2>&1 &
-server=$!
-trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
-for _ in $(seq 1 180); do
-    curl -sf "http://127.0.0.1:$port/ready" > /dev/null && break
-    kill -0 "$server" 2>/dev/null || { tail -20 "$out/server.log"; exit 1; }
-    sleep 1
-done
+mkdir -p "$out"
+source benchmarks/gpu_lib.sh
+start_server "$out/server.log" "$port" --model "$model" --load-format dummy --dtype bfloat16 \
+    --max-model-len 4096
 # the preset has no tokenizer: the byte tokenizer makes ~4 prompt tokens per
 # requested "token" of random words, so 256 here is about 1,000 prompt tokens
 python -m kvserve.cli bench serve --base-url "http://127.0.0.1:$port" --num-prompts "$num" \

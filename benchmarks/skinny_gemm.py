@@ -31,16 +31,15 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.bench.device_rates import copy_rate_gb_s, graph_call_us
+from kvserve.bench.device_rates import (
+    LLAMA3_8B_LINEARS,
+    copy_rate_gb_s,
+    cuda_card,
+    graph_call_us,
+)
 from kvserve.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_matmul
 
-SHAPES = {  # name: (N, K) of the weight [N, K]
-    "qkv": (6144, 4096),
-    "o_proj": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
-    "lm_head": (128256, 4096),
-}
+SHAPES = LLAMA3_8B_LINEARS
 ROWS = (1, 2, 4, 8, 16)
 DTYPE = torch.bfloat16
 CALLS_PER_GRAPH = 48
@@ -133,11 +132,9 @@ def main() -> int:
     parser.add_argument("--no-sweep", action="store_true", help="time the default config only")
     parser.add_argument("--json", default=None, help="also write every result to this file")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    card = cuda_card()
+    if card is None:
         return 2
-    torch.manual_seed(0)
-    card = torch.cuda.get_device_name()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     copy_gb_s = copy_rate_gb_s()
     print(f"{card} ({num_sms} SMs): device-to-device copy {copy_gb_s:,.0f} GB/s; "

@@ -6,13 +6,14 @@ for MFU). They run on CUDA or on the CPU; the CPU uses smaller sizes so the
 measurement takes a second, not minutes. ``fp8_matmul_tflop_s`` measures the
 FP8 rate of a CUDA card that has one (``kvserve plan --calibrate``).
 ``graph_call_us`` times one kernel
-call inside a CUDA graph, as a decode step replays it (the kernel benchmarks
-under ``benchmarks/`` use it).
+call inside a CUDA graph, as a decode step replays it; it, ``cuda_card`` and
+``LLAMA3_8B_LINEARS`` serve the kernel benchmarks under ``benchmarks/``.
 """
 
 from __future__ import annotations
 
 import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -23,6 +24,10 @@ from kvserve.plan.gpus import gpu_for_device_name
 if TYPE_CHECKING:
     import torch
 
+# the llama-3-8b linears a decode step multiplies by, name: (N, K) of the weight [N, K]
+LLAMA3_8B_LINEARS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+                     "down": (4096, 14336), "lm_head": (128256, 4096)}
+
 # (copy bytes, matmul size) per device type
 _SIZES = {"cuda": (1 << 30, 8192), "cpu": (1 << 26, 1024)}
 
@@ -32,6 +37,18 @@ def _sync(device: torch.device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def cuda_card() -> str | None:
+    """The CUDA card's name, with torch's generator seeded for a repeatable
+    benchmark; None, said on stderr, where there is no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA device", file=sys.stderr)
+        return None
+    torch.manual_seed(0)
+    return torch.cuda.get_device_name()
 
 
 def graph_call_us(call: Callable[[int], object], calls: int = 64, replays: int = 10) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 from kvserve.config import ModelConfig
@@ -124,44 +125,40 @@ def _spread(point: Comparison) -> tuple[float, float]:
     return point.measured_ms - spread["p10"], spread["p90"] - point.measured_ms
 
 
+def _draw_curve(ax: Any, row: list[Comparison], x: Callable[[Comparison], int], color: str,
+                what: str) -> None:
+    """A predicted curve (dashed) and its measured points with p10-p90 bars."""
+    ax.plot([x(p) for p in row], [p.predicted_ms for p in row], "--", color=color,
+            label=f"predicted{what}")
+    done = _measured(row)
+    if done:
+        below, above = zip(*(_spread(p) for p in done))
+        ax.errorbar([x(p) for p in done], [p.measured_ms for p in done], yerr=[below, above],
+                    fmt="o", color=color, label=f"measured (p10-p90){what}")
+
+
+def _label_axes(ax: Any, xlabel: str, ylabel: str, title: str, xbase: int = 10) -> None:
+    ax.set_xscale("log", base=xbase)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="x-small")
+
+
 def _draw_decode(ax: Any, points: list[Comparison]) -> None:
     decode = [p for p in points if p.kind == "decode"]
     for i, context in enumerate(sorted({p.context for p in decode})):
-        color = f"C{i}"
         row = sorted((p for p in decode if p.context == context), key=lambda p: p.batch)
-        ax.plot([p.batch for p in row], [p.predicted_ms for p in row], "--", color=color,
-                label=f"predicted, context {context:,}")
-        done = _measured(row)
-        if done:
-            below, above = zip(*(_spread(p) for p in done))
-            ax.errorbar([p.batch for p in done], [p.measured_ms for p in done],
-                        yerr=[below, above], fmt="o", color=color,
-                        label=f"measured (p10-p90), context {context:,}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch")
-    ax.set_ylabel("ms per decode step")
-    ax.set_title("decode step")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="x-small")
+        _draw_curve(ax, row, lambda p: p.batch, f"C{i}", f", context {context:,}")
+    _label_axes(ax, "batch", "ms per decode step", "decode step", xbase=2)
 
 
 def _draw_prefill(ax: Any, points: list[Comparison]) -> None:
     prefill = sorted((p for p in points if p.kind == "prefill"), key=lambda p: p.context)
-    ax.plot([p.context for p in prefill], [p.predicted_ms for p in prefill], "--",
-            color="tab:red", label="predicted")
-    done = _measured(prefill)
-    if done:
-        below, above = zip(*(_spread(p) for p in done))
-        ax.errorbar([p.context for p in done], [p.measured_ms for p in done],
-                    yerr=[below, above], fmt="o", color="tab:red", label="measured (p10-p90)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("ms to first token")
-    ax.set_title("prefill")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="x-small")
+    _draw_curve(ax, prefill, lambda p: p.context, "tab:red", "")
+    _label_axes(ax, "prompt tokens", "ms to first token", "prefill", xbase=2)
 
 
 def _draw_agreement(ax: Any, points: list[Comparison]) -> None:
@@ -177,13 +174,7 @@ def _draw_agreement(ax: Any, points: list[Comparison]) -> None:
         ax.plot([low, high], [low, high], color="black", linewidth=0.8)
         ax.fill_between([low, high], [low * 0.9, high * 0.9], [low * 1.1, high * 1.1],
                         color="gray", alpha=0.2, label="±10%")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("measured ms")
-    ax.set_ylabel("predicted ms")
-    ax.set_title("predicted against measured")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="x-small")
+    _label_axes(ax, "measured ms", "predicted ms", "predicted against measured")
 
 
 def _draw_utilization(ax: Any, points: list[Comparison]) -> None:

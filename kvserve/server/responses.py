@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -33,8 +33,8 @@ from starlette.responses import JSONResponse, Response
 
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.server.protocol import APIError, ChatCompletionRequest, validation_error
-from kvserve.server.responses_protocol import ResponsesRequest, input_messages
-from kvserve.server.serving import Job, OpenAIServing, OutputMerger, read_body
+from kvserve.server.responses_protocol import ResponsesRequest, input_items, input_messages
+from kvserve.server.serving import Job, OpenAIServing, SSEWriter, read_body
 from kvserve.server.state import ServerState
 from kvserve.server.tool_parsers import ToolCall
 
@@ -49,6 +49,7 @@ _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
 class _Stored:
     response: dict[str, Any]
     history: list[dict[str, Any]]  # chat messages: every input and output so far
+    input_items: list[dict[str, Any]]  # this response's input, as listed back
     num_chars: int
 
 
@@ -65,11 +66,12 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict[str, Any], history: list[dict[str, Any]]) -> None:
-        num_chars = len(json.dumps(response)) + len(json.dumps(history))
+    def put(self, response: dict[str, Any], history: list[dict[str, Any]],
+            input_items: list[dict[str, Any]]) -> None:
+        num_chars = sum(len(json.dumps(value)) for value in (response, history, input_items))
         if num_chars > self.max_chars:
             return
-        self._entries[response["id"]] = _Stored(response, history, num_chars)
+        self._entries[response["id"]] = _Stored(response, history, input_items, num_chars)
         self.num_chars += num_chars
         while len(self._entries) > self.max_responses or self.num_chars > self.max_chars:
             _, evicted = self._entries.popitem(last=False)
@@ -80,6 +82,12 @@ class ResponseStore:
         if entry is not None:
             self._entries.move_to_end(response_id)
         return entry
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.num_chars -= entry.num_chars
+        return entry is not None
 
 
 @dataclass
@@ -242,18 +250,66 @@ class ResponsesServing(OpenAIServing):
             raise responses_error(exc) from None
         return await self._serve(request, response_job)
 
-    async def retrieve(self, response_id: str) -> Response:
+    def _stored(self, response_id: str) -> _Stored:
         stored = self.store.get(response_id)
         if stored is None:
-            raise APIError(404, f"response_id={response_id!r}: no such stored response",
+            raise APIError(404, f"response_id={response_id!r}: no such stored response "
+                           "(unknown, stored with store=false, deleted or evicted)",
                            "response_id")
-        return JSONResponse(stored.response)
+        return stored
+
+    async def retrieve(self, response_id: str) -> Response:
+        return JSONResponse(self._stored(response_id).response)
+
+    async def delete(self, response_id: str) -> Response:
+        self._stored(response_id)
+        self.store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def cancel(self, response_id: str) -> Response:
+        """Only background responses can be cancelled (as OpenAI answers), and
+        kvserve runs none: a stored response has finished."""
+        self._stored(response_id)
+        raise APIError(400, f"response_id={response_id!r}: only responses created with "
+                       "background=true can be cancelled, and this server does not run "
+                       "background responses (this one has finished)", "response_id")
+
+    async def list_input_items(self, response_id: str, request: Request) -> Response:
+        """One page of a stored response's input items (OpenAI's cursor paging:
+        ``limit`` 1-100, default 20; ``order`` desc (default) or asc;
+        ``after`` an item id)."""
+        items = self._stored(response_id).input_items
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order={order!r}: use 'asc' or 'desc'", "order")
+        raw_limit = query.get("limit", "20")
+        try:
+            limit = int(raw_limit)
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit={raw_limit!r}: use an integer from 1 to 100", "limit")
+        ordered = items if order == "asc" else items[::-1]
+        after = query.get("after")
+        if after is not None:
+            ids = [item["id"] for item in ordered]
+            if after not in ids:
+                raise APIError(400, f"after={after!r}: not an input item of {response_id}",
+                               "after")
+            ordered = ordered[ids.index(after) + 1:]
+        page = ordered[:limit]
+        return JSONResponse({"object": "list", "data": page,
+                             "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None,
+                             "has_more": len(ordered) > limit})
 
     # ------------------------------------------------------------ hooks
 
     def _finish(self, job: ResponsesJob, response: dict[str, Any]) -> dict[str, Any]:
         if job.spec.store:
-            self.store.put(response, history_after(job, response["output"]))
+            self.store.put(response, history_after(job, response["output"]),
+                           input_items(job.spec.input))
         return response
 
     def _final_response(self, job: Job, outputs: dict[int, RequestOutput]) -> dict[str, Any]:
@@ -266,35 +322,19 @@ class ResponsesServing(OpenAIServing):
     def _api_error(self, exc: Exception, job: Job) -> APIError:
         return responses_error(super()._api_error(exc, job))
 
-    async def _stream(self, job: Job, merger: OutputMerger,
-                      first: tuple[int, RequestOutput] | None) -> AsyncGenerator[str, None]:
+    def _writer(self, job: Job) -> SSEWriter:
         assert isinstance(job, ResponsesJob)
-        events = ResponseEvents(job)
-        try:
-            for frame in events.opening():
-                yield frame
-            item = first
-            while item is not None:
-                _, output = item
-                job.timer.observe(output)
-                for frame in events.frames(output):
-                    yield frame
-                item = await merger.next()
-            assert events.response is not None, "the engine ended a request without finishing"
-            self._finish(job, events.response)
-        except Exception as exc:
-            error = self._api_error(exc, job)
-            job.timer.close("error" if error.status >= 500 else None)
-            yield events.event("error", message=error.message, code=error.body()["error"]["code"],
-                               param=error.param)
+        return ResponseEvents(job, lambda response: self._finish(job, response))
 
 
 class ResponseEvents:
     """A response's stream events: text as it comes (held back while it may
     be the start of a tool call), calls and the closing events at the end."""
 
-    def __init__(self, job: ResponsesJob) -> None:
+    def __init__(self, job: ResponsesJob,
+                 finish: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         self.job = job
+        self.finish = finish  # stores the final response
         self.sequence_number = 0
         self.num_sent_chars = 0
         self.message_open = False
@@ -328,7 +368,16 @@ class ResponseEvents:
             "response.output_text.delta", item_id=self.job.message_id, output_index=0,
             content_index=0, delta=text, logprobs=[])]
 
-    def frames(self, output: RequestOutput) -> list[str]:
+    def closing(self) -> list[str]:
+        assert self.response is not None, "the engine ended a request without finishing"
+        self.finish(self.response)
+        return []
+
+    def error(self, error: APIError) -> list[str]:
+        return [self.event("error", message=error.message, code=error.body()["error"]["code"],
+                           param=error.param)]
+
+    def frames(self, prompt_index: int, output: RequestOutput) -> list[str]:
         completion = output.outputs[0]
         text = completion.text
         if completion.finish_reason is None:
@@ -369,13 +418,26 @@ class ResponseEvents:
 
 
 def add_routes(app: Any, state: ServerState) -> ResponsesServing:
-    """``POST /v1/responses`` and ``GET /v1/responses/{response_id}`` on ``app``."""
+    """``POST /v1/responses``; ``GET`` and ``DELETE /v1/responses/{response_id}``,
+    its ``input_items`` and ``cancel``, on ``app``."""
     serving = ResponsesServing(state)
     app.add_api_route("/v1/responses", serving.create, methods=["POST"])
 
     async def retrieve(response_id: str) -> Response:
         return await serving.retrieve(response_id)
 
+    async def delete(response_id: str) -> Response:
+        return await serving.delete(response_id)
+
+    async def cancel(response_id: str) -> Response:
+        return await serving.cancel(response_id)
+
+    async def input_items(response_id: str, request: Request) -> Response:
+        return await serving.list_input_items(response_id, request)
+
     app.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"])
     return serving
 

@@ -16,6 +16,7 @@ Nothing here generates.
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
@@ -93,6 +94,26 @@ ITEM_MODELS: dict[str, type[APIRequest]] = {
     "message": MessageItem, "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
 }
+
+
+def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input as the items ``GET /v1/responses/{id}/input_items`` lists,
+    each with an id (the client's where it gave one). Call after
+    ``input_messages`` has checked it."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    listed = []
+    for data in items:
+        kind = data.get("type", "message")
+        item = ITEM_MODELS[kind].model_validate(data)
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kind]
+        value = {"id": data.get("id") or f"{prefix}_{uuid.uuid4().hex}", "status": "completed",
+                 **item.model_dump(exclude_none=True)}
+        value["type"] = kind
+        if isinstance(item, FunctionCallOutputItem):
+            value["output"] = _join(item.output)
+        listed.append(value)
+    return listed
 
 
 def _item_error(exc: ValidationError, index: int) -> APIError:
@@ -333,6 +354,36 @@ class ResponseObject(BaseModel):
     store: bool
     metadata: dict[str, str] | None
     user: str | None
+
+
+class InputItem(BaseModel):
+    """An input item as listed back: a message, a function call or its output."""
+
+    id: str
+    type: Literal["message", "function_call", "function_call_output"]
+    status: Literal["completed"]
+    role: Literal["user", "system", "developer", "assistant"] | None = None
+    content: list[dict[str, Any]] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+class InputItemList(BaseModel):
+    """``GET /v1/responses/{response_id}/input_items``: one page."""
+
+    object: Literal["list"]
+    data: list[InputItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
 
 
 class _Event(BaseModel):

@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -324,12 +324,16 @@ def final_response(job: Job, outputs: dict[int, RequestOutput]) -> dict[str, Any
     choices.sort(key=lambda c: c["index"])
     num_generated = (0 if job.echo_only else
                      sum(len(c.token_ids) for o in outputs.values() for c in o.outputs))
-    return {
+    response = {
         "id": job.request_id, "object": "chat.completion" if job.chat else "text_completion",
         "created": job.created, "model": job.model, "choices": choices,
         "usage": usage_dict(sum(len(p.token_ids) for p in job.prompts), num_generated,
                             sum(o.num_cached_tokens for o in outputs.values())),
     }
+    kv_transfer = [o.kv_transfer_params for o in outputs.values() if o.kv_transfer_params]
+    if kv_transfer:  # a prefill engine's answer: where the decode engine pulls the KV
+        response["kv_transfer_params"] = kv_transfer[0] if len(kv_transfer) == 1 else kv_transfer
+    return response
 
 
 def _text_logprobs(job: Job, prompt: PromptInput, output: RequestOutput,
@@ -349,6 +353,19 @@ class _ChoiceState:
     echoed: bool = False
     finished: bool = False
     num_sent_chars: int = 0  # chat with tools: content characters sent
+
+
+class SSEWriter(Protocol):
+    """A streaming request's frames: its opening, one step's outputs, the
+    end, or an error in place of the end."""
+
+    def opening(self) -> list[str]: ...
+
+    def frames(self, prompt_index: int, output: RequestOutput) -> list[str]: ...
+
+    def closing(self) -> list[str]: ...
+
+    def error(self, error: APIError) -> list[str]: ...
 
 
 class StreamWriter:
@@ -374,6 +391,14 @@ class StreamWriter:
                             "logprobs": None, "finish_reason": None}],
                           self._continuous_usage())
                 for index in range(job.num_choices)]
+
+    def closing(self) -> list[str]:
+        """The usage chunk (when asked for) and ``[DONE]``."""
+        usage = [self.job.chunk([], self.usage())] if self.job.body.include_usage else []
+        return [*usage, DONE_FRAME]
+
+    def error(self, error: APIError) -> list[str]:
+        return [f"data: {json.dumps(error.body())}\n\n", DONE_FRAME]
 
     def _echo(self, index: int, prompt_index: int, output: RequestOutput) -> str:
         """The chunk echoing a completions choice's prompt (with its logprobs)."""
@@ -576,22 +601,29 @@ class OpenAIServing:
 
     def _sampling_params(self, body: SamplingRequest, top_logprobs: int | None,
                          prompt_param: str, prompt_logprobs: int | None) -> SamplingParams:
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
+        # the model's generation_config values stand in for unset fields
+        client = self.state.client
+        model = client.config.sampling_defaults if client is not None else {}
+
+        def pick(value: Any, name: str, default: Any) -> Any:
+            return model.get(name, default) if value is None else value
 
         try:
             return SamplingParams(
-                n=body.n, temperature=pick(body.temperature, 1.0), top_p=pick(body.top_p, 1.0),
-                top_k=pick(body.top_k, 0), min_p=pick(body.min_p, 0.0),
-                presence_penalty=pick(body.presence_penalty, 0.0),
-                frequency_penalty=pick(body.frequency_penalty, 0.0),
-                repetition_penalty=pick(body.repetition_penalty, 1.0), seed=body.seed,
-                stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                max_tokens=body.requested_max_tokens(), min_tokens=body.min_tokens,
+                n=body.n, temperature=pick(body.temperature, "temperature", 1.0),
+                top_p=pick(body.top_p, "top_p", 1.0), top_k=pick(body.top_k, "top_k", 0),
+                min_p=pick(body.min_p, "min_p", 0.0),
+                presence_penalty=pick(body.presence_penalty, "", 0.0),
+                frequency_penalty=pick(body.frequency_penalty, "", 0.0),
+                repetition_penalty=pick(body.repetition_penalty, "repetition_penalty", 1.0),
+                seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos,
+                max_tokens=body.requested_max_tokens(model.get("max_tokens")),
+                min_tokens=body.min_tokens,
                 logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                logit_bias=body.token_logit_bias,
+                logit_bias=body.token_logit_bias, kv_transfer_params=body.kv_transfer_params,
             )
         except ValueError as exc:
             raise _bad_request(exc, body, prompt_param) from None
@@ -707,9 +739,13 @@ class OpenAIServing:
             outputs[index] = output
         return outputs
 
+    def _writer(self, job: Job) -> SSEWriter:
+        """The frames of a streaming request (the Responses API's differ)."""
+        return StreamWriter(job)
+
     async def _stream(self, job: Job, merger: OutputMerger,
                       first: tuple[int, RequestOutput] | None) -> AsyncGenerator[str, None]:
-        writer = StreamWriter(job)
+        writer = self._writer(job)
         try:
             for frame in writer.opening():
                 yield frame
@@ -720,13 +756,13 @@ class OpenAIServing:
                 for frame in writer.frames(index, output):
                     yield frame
                 item = await merger.next()
-            if job.body.include_usage:
-                yield job.chunk([], writer.usage())
+            for frame in writer.closing():
+                yield frame
         except Exception as exc:
             error = self._api_error(exc, job)
             job.timer.close("error" if error.status >= 500 else None)
-            yield f"data: {json.dumps(error.body())}\n\n"
-        yield DONE_FRAME
+            for frame in writer.error(error):
+                yield frame
 
     def _api_error(self, exc: Exception, job: Job) -> APIError:
         """An exception raised while serving, as the error to send."""

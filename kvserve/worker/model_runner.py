@@ -347,13 +347,18 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.bind_kv_cache(self.num_kv_blocks + 1)
         if cache.kv_offload_gb:  # the host tier, over every tensor at the pool's block ids
-            proposer = self.spec.device_proposer if self.spec is not None else None
-            tensors = self.kv_caches + (proposer.kv_caches if proposer is not None else [])
-            if kv_dtype == torch.int8:  # its scales are per token: they travel with the block
-                tensors += self.kv_scales or []
-            self.kv_offloader = create_kv_offloader([(t, 1) for t in tensors], cache.kv_offload_gb,
+            self.kv_offloader = create_kv_offloader(self.kv_pool_tensors(), cache.kv_offload_gb,
                                                     self.parallel, self.device, max_step_blocks)
             self.num_host_kv_blocks = len(self.kv_offloader.host)
+
+    def kv_pool_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor at the pool's block ids, with its block dim: what a
+        block's KV is, for copies to the host tier or to another engine."""
+        proposer = self.spec.device_proposer if self.spec is not None else None
+        tensors = self.kv_caches + (proposer.kv_caches if proposer is not None else [])
+        if self.kv_cache_dtype == torch.int8:  # its scales are per token: they go with the block
+            tensors += self.kv_scales or []
+        return [(t, 1) for t in tensors]
 
     def kv_transfer_stats(self) -> dict[str, float]:
         """The host tier's bytes copied each way and copy times (none when off)."""
@@ -383,6 +388,11 @@ class ModelRunner:
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (False: unknown); no unfinished request may use it."""
         return self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
+
+    def prefetch_loras(self, lora_int_ids: list[int]) -> set[int]:
+        """The adapters a step could not use yet (being read again from disk,
+        off the step loop); see ``LoRAManager.prefetch``."""
+        return self.lora_manager.prefetch(lora_int_ids) if self.lora_manager is not None else set()
 
     def capture_cuda_graphs(self) -> None:
         if not self.cuda_graph_sizes and not self.cuda_graph_token_sizes:

@@ -155,6 +155,36 @@ def test_previous_response_id_and_retrieve(serve_tiny: ServerProcess) -> None:
         client.responses.retrieve(unstored.id)
 
 
+def test_input_items_delete_and_cancel(serve_tiny: ServerProcess) -> None:
+    client = _client(serve_tiny)
+    items: Any = [{"role": "user", "content": "first", "id": "msg_mine"},
+                  {"type": "message", "role": "assistant", "content": "second"},
+                  {"role": "user", "content": [{"type": "input_text", "text": "third"}]}]
+    response = client.responses.create(model=MODEL_NAME, input=items, max_output_tokens=2)
+    listed = client.responses.input_items.list(response.id)
+    assert [item.content[0].text for item in listed.data] == ["third", "second", "first"]
+    assert listed.data[-1].id == "msg_mine" and listed.last_id == "msg_mine"
+    assert listed.has_more is False
+    first_page = client.responses.input_items.list(response.id, order="asc", limit=2)
+    assert [item.role for item in first_page.data] == ["user", "assistant"]
+    assert first_page.has_more is True
+    rest = client.responses.input_items.list(response.id, order="asc", after=first_page.last_id)
+    assert [item.content[0].text for item in rest.data] == ["third"]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.input_items.list(response.id, limit=0)
+    assert raised.value.body["param"] == "limit"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.cancel(response.id)
+    assert "background" in raised.value.message
+    client.responses.delete(response.id)
+    for call in (client.responses.retrieve, client.responses.delete,
+                 client.responses.input_items.list):
+        with pytest.raises(openai.NotFoundError):
+            call(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL_NAME, input="x", previous_response_id=response.id)
+
+
 def test_function_calls_and_their_outputs(serve_tiny: ServerProcess) -> None:
     client = _client(serve_tiny)
     tools: Any = [TIME_TOOL]

@@ -290,3 +290,24 @@ def test_two_nodes_on_one_machine(
         if node1.poll() is None:
             os.killpg(node1.pid, signal.SIGKILL)
             node1.wait(10)
+
+
+def test_host_kv_tier_copies_are_reported_over_every_rank(
+        tiny_checkpoint: Callable[[str], Path], started: list[LLM]) -> None:
+    """TP=2 with the host KV tier: the ranks' bytes add up to one process's
+    (each moves its half of every block), and copy times are reported."""
+    from tests.unit.test_kv_offload import PROMPTS as TURNS
+    from tests.unit.test_kv_offload import TINY_POOL, generate_each
+
+    path = tiny_checkpoint("llama")
+    options = {**TINY_POOL, "kv_offload_gb": 0.001, "async_scheduling": False}
+    one = LLM(model=str(path), device="cpu", **options)
+    expected = generate_each(one, TURNS)
+    llm = parallel_llm(path, 2, 1, **options)
+    started.append(llm)
+    assert generate_each(llm, TURNS) == expected
+    stats, reference = llm.stats(), one.stats()
+    keys = ("kv_host_block_bytes", "kv_host_bytes_to_host", "kv_host_bytes_to_device")
+    assert reference["kv_host_bytes_to_device"] > 0
+    assert {key: stats[key] for key in keys} == {key: reference[key] for key in keys}
+    assert stats["kv_host_copy_to_host_s"] > 0 and stats["kv_host_copy_to_device_s"] > 0

@@ -74,9 +74,9 @@ def _response(i: int, size: int = 10) -> dict[str, object]:
 def test_store_evicts_least_recently_used() -> None:
     store = ResponseStore(max_responses=3)
     for i in range(3):
-        store.put(_response(i), [])
+        store.put(_response(i), [], [])
     assert store.get("resp_0") is not None  # now the most recent
-    store.put(_response(3), [])
+    store.put(_response(3), [], [])
     assert store.get("resp_1") is None and len(store) == 3
     assert all(store.get(f"resp_{i}") is not None for i in (0, 2, 3))
 
@@ -84,8 +84,8 @@ def test_store_evicts_least_recently_used() -> None:
 def test_store_bounds_characters() -> None:
     store = ResponseStore(max_responses=100, max_chars=200)
     for i in range(5):
-        store.put(_response(i, 50), [{"role": "user", "content": "y"}])
+        store.put(_response(i, 50), [{"role": "user", "content": "y"}], [])
     assert store.num_chars <= 200 and store.get("resp_4") is not None
     assert store.get("resp_0") is None
-    store.put(_response(9, 500), [])  # larger than the whole store: not kept
+    store.put(_response(9, 500), [], [])  # larger than the whole store: not kept
     assert store.get("resp_9") is None and store.get("resp_4") is not None
