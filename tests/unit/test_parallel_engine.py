@@ -112,6 +112,13 @@ def check_split_engine(path: Path, tp: int, pp: int, expected: list[list[int]],
     pytest.param("qwen3", 2, 2, marks=pytest.mark.slow),  # q/k norm, 3 layers over 2 stages
     pytest.param("llama_mha", 4, 1, marks=pytest.mark.slow),  # 4 processes, 1 KV head each
     pytest.param("llama", 4, 1, marks=pytest.mark.slow),  # 2 KV heads over 4 ranks
+    # more than two ranks a dimension (issue 26): stages between the first and the
+    # last; 8 processes as the 70B's TP=4 x PP=2 and TP=8 (2 KV heads, each held by
+    # 2 and 4 ranks); replicated KV heads in a pipeline
+    pytest.param("llama_wide", 1, 4, marks=pytest.mark.slow),
+    pytest.param("llama_wide", 4, 2, marks=pytest.mark.slow),
+    pytest.param("llama_wide", 8, 1, marks=pytest.mark.slow),
+    pytest.param("llama_mqa", 2, 2, marks=pytest.mark.slow),
 ])
 def test_split_engine_gives_one_process_tokens(
     variant: str, tp: int, pp: int, tiny_checkpoint: Callable[[str], Path],
