@@ -10,16 +10,8 @@ out=${1:?output directory}
 shift
 stages=${*:-tests gemm w2 summary}
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source benchmarks/gpu_lib.sh
 engine=(--model llama-3-8b --load-format dummy --dtype bfloat16 --disable-tqdm)
-failed=0
-
-run() {  # NAME COMMAND...: a failed run is reported and the others go on
-    local name=$1
-    shift
-    echo "== $name" >&2
-    "$@" || { echo "FAILED: $name" >&2; failed=1; }
-}
 
 for stage in $stages; do
     case $stage in

@@ -39,6 +39,7 @@ from kvserve.router.app import (
     ClientGone,
     Forwarder,
     RouterState,
+    add_forwarding_routes,
     error_response,
 )
 from kvserve.router.backends import Backend
@@ -146,19 +147,7 @@ def build_disagg_app(prefill: RouterState, decode: RouterState,
     app = FastAPI(title="kvserve router (prefill / decode)", lifespan=lifespan,
                   openapi_url=None)
     forwarder = DisaggForwarder(prefill, decode)
-
-    async def completions(request: Request) -> Response:
-        return await forwarder.forward(request, "/v1/completions")
-
-    async def chat_completions(request: Request) -> Response:
-        return await forwarder.forward(request, "/v1/chat/completions")
-
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await forwarder.decode.get_any(request, "/v1/models")
+    add_forwarding_routes(app, forwarder.forward, forwarder.decode.get_any)
 
     def probe() -> Response:
         healthy = decode.pool.num_healthy  # prefill engines are optional (see above)
