@@ -5,8 +5,11 @@ preset's shapes, random bf16 weights (the same seed on every rank, so the
 ranks shard one model), its compiled decode step, W1 batch 1; timed as
 ``benchmarks/peers.py`` times gpt-fast on one GPU (``time_w1``).
 
-    PYTHONPATH=. torchrun --standalone --nproc-per-node 2 benchmarks/gptfast_tp.py \\
-        --output-json out/peer-gptfast-tp2.json
+    PYTHONPATH=. torchrun --standalone --nproc-per-node N benchmarks/gptfast_tp.py \\
+        --output-json out/peer-gptfast-tpN.json
+
+N is 2 (``benchmarks/tensor_parallel.py``), 4 or 8 (``benchmarks/multi_gpu.py``):
+the preset's 32 query and 8 KV heads split down to one KV head a rank.
 
 gpt-fast's files must be in ``.peers/gpt-fast/`` (git-ignored: never commit
 them). Rank 0 writes the JSON, in ``peers.py``'s shape (peer ``gptfast-tpN``);

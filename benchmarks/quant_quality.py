@@ -16,9 +16,12 @@ Calibration text (GPTQ, AWQ) is the train split's files of the same stdlib
 only, the same windows for every method (``--num-samples`` x ``--seq-len``,
 ``--seed``).
 
-Every configuration but ``bf16`` and ``fp8`` (FP8 W8A8 rounded at load, as
-``--quantization fp8``: the torch reference's arithmetic) is a checkpoint
-written by ``kvserve quantize`` (compressed-tensors); every row, ``bf16`` included, is scored by
+Every configuration but ``bf16``, ``fp8`` and ``w8a8-int8`` (FP8 / INT8 W8A8
+rounded at load, as ``--quantization fp8|w8a8-int8``: the torch reference's
+arithmetic, activations quantised per token) is a checkpoint written by
+``kvserve quantize`` (compressed-tensors); the SmoothQuant rows
+(``w8a8-int8-smoothquant-aA``, alpha A) are loaded from their written
+checkpoint as ``kvserve serve`` loads it. Every row, ``bf16`` included, is scored by
 kvserve's own model: its linears hold the run's ``QuantizedWeight``s
 (kvserve's packed layout, the layer seam's weight-only method, torch
 reference on the CPU) and its other tensors are read from the written
@@ -57,6 +60,7 @@ from kvserve.models.loader import load_model
 from kvserve.models.registry import CausalLM, get_model_class
 from kvserve.models.source import resolve_model_config
 from kvserve.quant.config import QuantConfig, quantize_at_load
+from kvserve.quant.formats import parse_quantization_config
 from kvserve.quant.methods import LinearMethod
 from kvserve.quantize.options import QuantizeOptions
 from kvserve.quantize.pipeline import QuantizeResult, quantize_checkpoint
@@ -82,6 +86,9 @@ CONFIGS: dict[str, tuple[str, int, int, bool, bool]] = {
     "int4-g32-asym-rtn": ("rtn", 4, 32, False, False),
     "int4-g32-asym-awq": ("awq", 4, 32, False, False),
 }
+# INT8 W8A8 checkpoints written by ``kvserve quantize --method smoothquant``: name -> alpha
+SMOOTHQUANT_CONFIGS = {"w8a8-int8-smoothquant-a0.5": 0.5, "w8a8-int8-smoothquant-a0.8": 0.8}
+QUANTIZED_AT_LOAD = ("fp8", "w8a8-int8")
 # --kv-cache-dtypes name -> the cache's dtype (None: the model's, float32 here)
 KV_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "bfloat16": torch.bfloat16,
                                             **KV_CACHE_DTYPES}
@@ -204,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=default_model_path())
     parser.add_argument("--stdlib", type=Path, default=DEFAULT_STDLIB)
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
-                        choices=["bf16", "fp8", *CONFIGS])
+                        choices=["bf16", *QUANTIZED_AT_LOAD, *CONFIGS, *SMOOTHQUANT_CONFIGS])
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_DTYPES),
                         help="score each configuration with each KV cache dtype")
     parser.add_argument("--num-samples", type=int, default=32)
@@ -237,11 +244,23 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.configs:
             start = time.perf_counter()
             row: dict[str, Any] = {"config": name}
-            if name in ("bf16", "fp8"):  # fp8: W8A8 quantised at load (--quantization fp8)
-                quant = quantize_at_load("fp8") if name == "fp8" else None
+            if name == "bf16" or name in QUANTIZED_AT_LOAD:  # W8A8 as --quantization NAME
+                quant = quantize_at_load(name) if name in QUANTIZED_AT_LOAD else None
                 model = load_model(dataclasses.replace(config, quantization=quant), args.model,
                                    "auto", torch.float32, "cpu")
                 row["checkpoint_bytes"] = (args.model / "model.safetensors").stat().st_size
+            elif name in SMOOTHQUANT_CONFIGS:
+                result = quantize_checkpoint(QuantizeOptions(
+                    model=args.model, output=work / name, method="smoothquant", bits=8,
+                    group_size=-1, alpha=SMOOTHQUANT_CONFIGS[name], calib=calib,
+                    num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed,
+                    device=args.device))
+                row |= {"method": "smoothquant", "calibration_s": round(result.seconds, 1),
+                        "checkpoint_bytes": (work / name / "model.safetensors").stat().st_size}
+                written, _ = resolve_model_config(str(work / name))
+                quant = parse_quantization_config(written.hf_config)
+                model = load_model(dataclasses.replace(written, quantization=quant), work / name,
+                                   "auto", torch.float32, "cpu")
             else:
                 method, bits, group_size, symmetric, act_order = CONFIGS[name]
                 result = quantize_checkpoint(QuantizeOptions(

@@ -10,6 +10,14 @@
   x k in {2, 4, 6}. Decode tok/s (1 / TPOT) against plain decode and against the i.i.d. theory
   ``(1 - alpha^(k+1)) / (1 - alpha)`` (target: >= 0.85 of it), with the
   acceptance measured and ``kvserve plan --spec-*``'s prediction beside.
+  Per step (``LLM.stats`` over the timed runs): wall ms (the engine's
+  step time), device ms (first to last kernel) and the share of steps that
+  replayed a CUDA graph; ``verify / plain`` is a speculative run's wall ms
+  per step over plain decode's, the cost of a verify step in plain steps
+  (a share of theory >= 0.85 needs it <= ~1.15 at k = 4). ``--oracle-ks``,
+  ``--oracle-alphas`` pick a subset; ``--no-async-scheduling`` runs both
+  sides synchronously (speculative steps then read before the next is
+  planned and output processing no longer overlaps).
 - ``real``: the bundled target at batch 1 on held-out stdlib code (the
   target's own split: never trained on), 64-token prompts, 128 new tokens:
   plain, ngram, draft_model (the bundled draft) and eagle (the bundled head
@@ -24,6 +32,8 @@
 
     PYTHONPATH=. python benchmarks/spec_decode.py --out $OUT/spec-decode
     PYTHONPATH=. python benchmarks/spec_decode.py --out /tmp/sd --parts real --device cpu
+    PYTHONPATH=. python benchmarks/spec_decode.py --out $OUT/sd --parts oracle \
+        --oracle-ks 4 --oracle-alphas 0.8
 """
 
 from __future__ import annotations
@@ -80,13 +90,14 @@ def timed_decode(llm: Any, prompts: list[list[int]], max_tokens: int, iters: int
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     tpots, outputs = [], None
+    before = llm.stats()
     for _ in range(iters):
         outputs = llm.generate(prompts, params, use_tqdm=False)
         tpots += [o.tpot_s for o in outputs if o.tpot_s is not None]
     stats = llm.stats()
     assert outputs is not None
     result = {"decode_tok_s": 1.0 / statistics.mean(tpots), "tpot_ms": 1e3 * statistics.mean(tpots),
-              "token_ids": [o.outputs[0].token_ids for o in outputs]}
+              "token_ids": [o.outputs[0].token_ids for o in outputs], **step_times(before, stats)}
     if "spec_decode_num_drafts" in stats:
         drafted = stats["spec_decode_num_drafted_tokens_per_pos"]
         accepted = stats["spec_decode_num_accepted_tokens_per_pos"]
@@ -100,6 +111,16 @@ def timed_decode(llm: Any, prompts: list[list[int]], max_tokens: int, iters: int
     return result
 
 
+def step_times(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Per step of the runs between two ``LLM.stats()``: wall and device ms,
+    and the share of steps that replayed a CUDA graph."""
+    steps = max(after["num_steps"] - before["num_steps"], 1)
+    return {"steps": float(steps),
+            "step_ms": 1e3 * (after["step_s"] - before["step_s"]) / steps,
+            "device_step_ms": 1e3 * (after["device_s"] - before["device_s"]) / steps,
+            "graph_step_share": (after["num_graph_steps"] - before["num_graph_steps"]) / steps}
+
+
 # --------------------------------------------------------------------------- parts
 
 
@@ -107,9 +128,12 @@ def oracle_part(args: argparse.Namespace) -> dict[str, Any]:
     from kvserve import LLM
     from kvserve.bench.workloads import w1
 
-    engine: dict[str, Any] = {"model": "llama-3-8b", "load_format": "dummy", "dtype": "bfloat16",
-              "max_num_seqs": 1, "max_num_batched_tokens": 512,
-              "cuda_graph_token_sizes": [16, 32, 64, 128, 256, 512]}
+    engine: dict[str, Any] = {"model": args.oracle_model, "load_format": "dummy",
+              "max_num_seqs": 1, "max_num_batched_tokens": 512, "device": args.device,
+              "cuda_graph_token_sizes": [16, 32, 64, 128, 256, 512],
+              "async_scheduling": args.async_scheduling}
+    if args.device != "cpu":
+        engine["dtype"] = "bfloat16"
     prompts = [r.prompt_token_ids for r in w1(128256, 128, args.output_len, 1, seed=0)]
     llm = LLM(**engine)
     timed_decode(llm, prompts, args.output_len, 1)  # warm-up
@@ -117,8 +141,8 @@ def oracle_part(args: argparse.Namespace) -> dict[str, Any]:
     release(llm)
     log(f"oracle part: plain decode {plain['decode_tok_s']:.1f} tok/s")
     rows = []
-    for k in KS:
-        for alpha in ALPHAS:
+    for k in args.oracle_ks:
+        for alpha in args.oracle_alphas:
             llm = LLM(**engine, speculative_config={
                 "method": "oracle", "num_speculative_tokens": k, "acceptance_rate": alpha,
                 "forced_acceptance": True,
@@ -130,13 +154,19 @@ def oracle_part(args: argparse.Namespace) -> dict[str, Any]:
             speedup = spec["decode_tok_s"] / plain["decode_tok_s"]
             row = {"k": k, "alpha": alpha, "theory": theory(alpha, k), "speedup": speedup,
                    "efficiency": speedup / theory(alpha, k),
-                   **spec, **plan_prediction("llama-3-8b", k, alpha, 0.0)}
+                   "verify_over_plain": spec["step_ms"] / plain["step_ms"],
+                   **spec, **plan_prediction(args.oracle_model, k, alpha, 0.0)}
             rows.append(row)
             log(f"oracle k={k} alpha={alpha}: {row['decode_tok_s']:.1f} tok/s, speed-up "
-                f"{speedup:.2f}x of theory {row['theory']:.2f}x ({row['efficiency']:.2f})")
+                f"{speedup:.2f}x of theory {row['theory']:.2f}x ({row['efficiency']:.2f}); "
+                f"step {spec['step_ms']:.2f} ms (device {spec['device_step_ms']:.2f}) vs plain "
+                f"{plain['step_ms']:.2f} ({plain['device_step_ms']:.2f}): "
+                f"{row['verify_over_plain']:.2f}x")
     plain.pop("token_ids")
-    return {"model": "llama-3-8b (dummy, bf16)", "batch": 1, "prompt": 128,
-            "output_len": args.output_len, "plain": plain, "rows": rows}
+    return {"model": f"{args.oracle_model} (dummy, {engine.get('dtype', 'float32')})",
+            "batch": 1, "prompt": 128,
+            "output_len": args.output_len, "async_scheduling": args.async_scheduling,
+            "plain": plain, "rows": rows}
 
 
 def heldout_prompts(num: int, prompt_len: int) -> list[list[int]]:
@@ -249,15 +279,16 @@ def table(results: dict[str, Any]) -> str:
              "length | note |", "|---|---|---:|---:|---:|---:|---:|---|"]
     if "oracle" in results:
         oracle = results["oracle"]
-        lines.append(f"| oracle 8B b1 | plain | {oracle['plain']['decode_tok_s']:.1f} | 1.00 "
-                     "| | | | |")
+        plain = oracle["plain"]
+        lines.append(f"| oracle b1 | plain | {plain['decode_tok_s']:.1f} | 1.00 | | | | "
+                     f"step {_step(plain)} |")
         for r in oracle["rows"]:
             lines.append(
-                f"| oracle 8B b1 | k={r['k']} α={r['alpha']} | {r['decode_tok_s']:.1f} | "
+                f"| oracle b1 | k={r['k']} α={r['alpha']} | {r['decode_tok_s']:.1f} | "
                 f"{r['speedup']:.2f} | {r['theory']:.2f} / {r['plan_speedup']:.2f} | "
                 f"{r['alpha_first']:.2f} | {r['mean_accepted_length']:.2f} | "
-                f"{r['efficiency']:.2f} of theory{'' if r['efficiency'] >= 0.85 else ' (<0.85)'}"
-                " |")
+                f"{r['efficiency']:.2f} of theory{'' if r['efficiency'] >= 0.85 else ' (<0.85)'};"
+                f" step {_step(r)}, verify / plain {r['verify_over_plain']:.2f} |")
     if "real" in results:
         real = results["real"]
         lines.append(f"| bundled {real['device']} | plain | {real['plain']['decode_tok_s']:.1f} "
@@ -279,6 +310,15 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _step(r: dict[str, Any]) -> str:
+    return (f"{r['step_ms']:.2f} ms (device {r['device_step_ms']:.2f}, "
+            f"graphs {100 * r['graph_step_share']:.0f}%)")
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for the JSON files")
@@ -286,6 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--oracle-model", default="llama-3-8b",
+                        help="the oracle part's preset (random weights)")
+    parser.add_argument("--oracle-ks", type=lambda t: [int(x) for x in _floats(t)],
+                        default=list(KS), help="comma-separated k values of the oracle part")
+    parser.add_argument("--oracle-alphas", type=_floats, default=list(ALPHAS),
+                        help="comma-separated acceptance rates of the oracle part")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="oracle part: synchronous steps, plain and speculative")
     parser.add_argument("--real-prompts", type=int, default=16)
     parser.add_argument("--real-new-tokens", type=int, default=128)
     parser.add_argument("--real-k", type=int, default=4)

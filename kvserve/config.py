@@ -418,6 +418,39 @@ class SpeculativeConfig:
         return self.method in ("draft_model", "eagle")
 
 
+KV_ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated prefill / decode (``kv_role``): a prefill engine keeps a
+    finished prompt's KV blocks for a decode engine to pull; a decode engine
+    pulls them from the prefill engine a request names. A prefill engine
+    listens for pulls on ``kv_transfer_host:kv_transfer_port`` (control) and
+    serves the transfer group's rendezvous store on the port after it; held
+    blocks are freed after ``kv_transfer_timeout_s`` if nobody pulls them,
+    and a decode engine gives up on a pull after as long (and recomputes)."""
+
+    kv_role: str = "both"
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int = 14579
+    kv_transfer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role='{self.kv_role}' is invalid: must be one of {KV_ROLES}")
+        if not 0 < self.kv_transfer_port < 65535:
+            raise ValueError(f"kv_transfer_port={self.kv_transfer_port} is invalid: must be "
+                             "in [1, 65534] (the rendezvous store takes the port after it)")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout_s={self.kv_transfer_timeout_s} is "
+                             "invalid: must be > 0")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.kv_role != "both"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, resolved and validated."""
@@ -452,3 +485,22 @@ class EngineConfig:
     max_logprobs: int = 20
     # torch threads of an engine on the CPU; None: chosen at start-up
     num_cpu_threads: int | None = None
+    # SamplingParams fields -> the model's recommended values (its
+    # generation_config.json, --generation-config): what a request leaves unset
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # disaggregated prefill / decode; the default (role "both") is one engine doing all
+    kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig, kw_only=True)
+
+    def __post_init__(self) -> None:
+        role = self.kv_transfer_config.kv_role
+        if role == "both":
+            return
+        if self.parallel_config.world_size > 1:
+            raise ValueError(
+                f"kv_role='{role}' needs tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                f"(got {self.parallel_config.tensor_parallel_size} and "
+                f"{self.parallel_config.pipeline_parallel_size}): KV transfer between "
+                "parallel engines is not supported yet")
+        if self.speculative_config is not None:
+            raise ValueError(f"kv_role='{role}' does not support speculative decoding yet "
+                             "(the proposer's KV would have to travel too)")

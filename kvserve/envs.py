@@ -11,7 +11,9 @@ secrets (so keys stay out of ``ps``) and for test-only hooks:
 - ``KVSERVE_FAULT_INJECT``: **testing hook**, never set it in production. A
   comma-separated list of ``raise_on_step=K`` (the K-th forward raises),
   ``hang_on_step=K`` (the K-th forward blocks for good) and ``step_delay_s=X``
-  (every forward sleeps X seconds first, to keep requests in flight). Read
+  (every forward sleeps X seconds first, to keep requests in flight),
+  ``kv_send_delay_s=X`` (a prefill engine waits X seconds before sending
+  the KV blocks of each pull: a slow or dying transfer). Read
   by ``kvserve serve`` at start-up and applied by wrapping the executor's
   ``execute_model`` (``kvserve/server/faults.py``).
 - ``XDG_CACHE_HOME``: where the user's cache lives (``user_cache_dir``).
@@ -43,6 +45,8 @@ class FaultInjection:
     raise_on_step: int | None = None
     hang_on_step: int | None = None
     step_delay_s: float = 0.0
+    # a prefill engine waits this long before sending the KV of each pull
+    kv_send_delay_s: float = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -62,7 +66,7 @@ def parse_fault_injection(text: str) -> FaultInjection:
                 number: int | float = int(raw)
                 if number < 1:
                     raise ValueError
-            elif key == "step_delay_s":
+            elif key in ("step_delay_s", "kv_send_delay_s"):
                 number = float(raw)
                 if not number >= 0:
                     raise ValueError
@@ -71,7 +75,7 @@ def parse_fault_injection(text: str) -> FaultInjection:
         except KeyError:
             raise ValueError(
                 f"{FAULT_INJECT_VAR}: unknown item '{item}'; known: raise_on_step=K, "
-                "hang_on_step=K, step_delay_s=X"
+                "hang_on_step=K, step_delay_s=X, kv_send_delay_s=X"
             ) from None
         except ValueError:
             raise ValueError(

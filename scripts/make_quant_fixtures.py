@@ -19,6 +19,10 @@ llmc-fp8-dynamic                         llm-compressor      FP8_DYNAMIC: e4m3 w
                                                              channel, dynamic activations
 llmc-fp8-static                          llm-compressor      FP8: per-tensor weight and
                                                              static input scales
+llmc-w8a8-int8-smoothquant               llm-compressor      SmoothQuantModifier(0.5) +
+                                                             GPTQModifier scheme W8A8: int8
+                                                             weights per channel, dynamic
+                                                             per-token int8 activations
 llmc06-gptq-w4a16-g32-actorder-group     llm-compressor 0.6  GPTQ int4 symmetric g32,
                                                              actorder "group": weight_g_idx
 gptqmodel-w4-g32-desc-act-asym           GPTQModel           gptq (v1), desc_act, sym=False
@@ -36,7 +40,9 @@ Each fixture directory keeps the producer's ``config.json``,
   scales upcast to float32 (so the values are exact); ``logits.<i>``
   (float32 ``[T, vocab]``) of the fake-quant HF model on ``prompts[i]``: a
   float32 transformers Llama whose quantised linears hold the producer's
-  dequantised weights and whose other tensors are the checkpoint's;
+  dequantised weights and whose other tensors are the checkpoint's (W8A8
+  int8: each quantised linear's input also rounded per token to int8,
+  ``amax / 127``, as vLLM and kvserve serve it);
 - ``reference.json``: producer and versions, the prompts, the greedy
   continuation of each prompt by that fake-quant model (``NEW_TOKENS``
   tokens, EOS not stopping), and the modules above.
@@ -68,11 +74,13 @@ Producers and their venvs (CPU torch 2.13.0 in each; never the system python):
 
 Usage (from the repository root)::
 
-    python scripts/make_quant_fixtures.py all            # the six steps below
+    python scripts/make_quant_fixtures.py all            # the seven steps below
     python scripts/make_quant_fixtures.py base /tmp/quant-base
     /work/venvs/llmc/bin/python scripts/make_quant_fixtures.py llmcompressor \
         /tmp/quant-base tests/fixtures/quant
     /work/venvs/llmc/bin/python scripts/make_quant_fixtures.py llmcompressor-fp8 \
+        /tmp/quant-base tests/fixtures/quant
+    /work/venvs/llmc/bin/python scripts/make_quant_fixtures.py llmcompressor-w8a8 \
         /tmp/quant-base tests/fixtures/quant
     /work/venvs/llmc06/bin/python scripts/make_quant_fixtures.py llmcompressor-0.6 \
         /tmp/quant-base tests/fixtures/quant
@@ -186,9 +194,21 @@ def prompts() -> list[list[int]]:
             for n in PROMPT_LENGTHS]
 
 
-def fake_quant_model(fixture: Path, dequantized: dict[str, torch.Tensor]) -> Any:
+def fake_quant_int8_input(module: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+    """A forward pre-hook: the linear's input rounded per token to int8
+    (symmetric, scale ``amax / 127``, round half to even) and scaled back."""
+    x = args[0]
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (torch.round(x / safe).clamp(-127, 127) * scale,)
+
+
+def fake_quant_model(
+    fixture: Path, dequantized: dict[str, torch.Tensor], int8_inputs: bool = False
+) -> Any:
     """A float32 transformers Llama: the checkpoint's tensors, and the
-    dequantised weight for every quantised linear."""
+    dequantised weight for every quantised linear (whose inputs are rounded
+    per token to int8 with ``int8_inputs``)."""
     import transformers
     from safetensors.torch import load_file
 
@@ -201,6 +221,9 @@ def fake_quant_model(fixture: Path, dequantized: dict[str, torch.Tensor]) -> Any
         if name.rpartition(".")[0] not in dequantized:
             state[name] = tensor.float()
     model.load_state_dict(state, strict=True)
+    if int8_inputs:
+        for module in dequantized:
+            model.get_submodule(module).register_forward_pre_hook(fake_quant_int8_input)
     return model
 
 
@@ -215,12 +238,12 @@ def greedy(model: Any, prompt: list[int]) -> list[int]:
 
 def write_reference(
     fixture: Path, dequantized: dict[str, torch.Tensor], producer: str, packages: list[str],
-    notes: str,
+    notes: str, int8_inputs: bool = False,
 ) -> None:
     """reference.safetensors / reference.json, then drop every file kvserve does not read."""
     from safetensors.torch import save_file
 
-    model = fake_quant_model(fixture, dequantized)
+    model = fake_quant_model(fixture, dequantized, int8_inputs)
     tensors = {f"dequantized.{m}": dequantized[m][:REFERENCE_ROWS].float().contiguous()
                for m in REFERENCE_MODULES}
     with torch.no_grad():
@@ -352,6 +375,47 @@ def run_llmcompressor_fp8(base: Path, out: Path) -> None:
                         f"QuantizationModifier(scheme={scheme!r}, ignore=['lm_head'])")
 
 
+def run_llmcompressor_w8a8(base: Path, out: Path) -> None:
+    """INT8 W8A8 as llm-compressor writes it (``format: int-quantized``):
+    ``SmoothQuantModifier(smoothing_strength=0.5)`` folds its scales into the
+    norms and the q/k/v and gate/up columns, then ``GPTQModifier(scheme=
+    'W8A8')`` writes int8 ``weight`` with float ``weight_scale [N, 1]``;
+    activations are dynamic per token (nothing stored). The reference
+    weights are the int8 values times their scales in float32, and the
+    reference model rounds each quantised linear's input per token to int8."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from llmcompressor.modifiers.transform import SmoothQuantModifier
+    from llmcompressor.pipelines.cache import IntermediatesCache
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    if not torch.cuda.is_available():
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+    source = base / "bfloat16"
+    ids = calibration_ids(source)
+    fixture = fresh(out / "llmc-w8a8-int8-smoothquant")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    recipe = [SmoothQuantModifier(smoothing_strength=0.5),
+              GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])]
+    oneshot(model=model, dataset=Dataset.from_dict({"input_ids": ids}), recipe=recipe,
+            max_seq_length=CALIBRATION_TOKENS, num_calibration_samples=len(ids))
+    model.save_pretrained(fixture, save_compressed=True)
+    tensors = load_file(fixture / "model.safetensors")
+    dequantized = {}
+    for key, weight in tensors.items():
+        module = key.rpartition(".")[0]
+        if key.endswith(".weight") and weight.dtype == torch.int8:
+            scale = tensors[f"{module}.weight_scale"].float()
+            dequantized[module] = weight.float() * scale.reshape(-1, 1)
+    write_reference(fixture, dequantized, "llm-compressor",
+                    ["llmcompressor", "compressed-tensors", "transformers", "torch"],
+                    "SmoothQuantModifier(smoothing_strength=0.5) + GPTQModifier(scheme='W8A8', "
+                    "ignore=['lm_head']); reference inputs rounded per token to int8 "
+                    "(amax / 127)", int8_inputs=True)
+
+
 def run_llmcompressor_06(base: Path, out: Path) -> None:
     """llm-compressor 0.6: GPTQ with ``actorder: group`` (``weight_g_idx``)."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
@@ -467,6 +531,8 @@ def run_all(venvs: Path, out: Path) -> None:
              ([str(venvs / "llmc/bin/python"), script, "llmcompressor", str(base), str(out)], {}),
              ([str(venvs / "llmc/bin/python"), script, "llmcompressor-fp8", str(base),
                str(out)], {}),
+             ([str(venvs / "llmc/bin/python"), script, "llmcompressor-w8a8", str(base),
+               str(out)], {}),
              ([str(venvs / "llmc06/bin/python"), script, "llmcompressor-0.6", str(base),
                str(out)], {}),
              ([str(venvs / "gptqmodel/bin/python"), script, "gptqmodel", str(base), str(out)],
@@ -481,8 +547,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="step", required=True)
     sub.add_parser("base").add_argument("out", type=Path)
-    for step in ("llmcompressor", "llmcompressor-fp8", "llmcompressor-0.6", "gptqmodel",
-                 "autoawq"):
+    for step in ("llmcompressor", "llmcompressor-fp8", "llmcompressor-w8a8", "llmcompressor-0.6",
+                 "gptqmodel", "autoawq"):
         p = sub.add_parser(step)
         p.add_argument("base", type=Path)
         p.add_argument("out", type=Path)
@@ -500,7 +566,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         os.chdir(tempfile.mkdtemp())  # producers drop logs into the working directory
         {"llmcompressor": run_llmcompressor, "llmcompressor-fp8": run_llmcompressor_fp8,
-         "llmcompressor-0.6": run_llmcompressor_06,
+         "llmcompressor-w8a8": run_llmcompressor_w8a8, "llmcompressor-0.6": run_llmcompressor_06,
          "gptqmodel": run_gptqmodel, "autoawq": run_autoawq}[args.step](base, out)
 
 

@@ -108,3 +108,31 @@ def quantise_case(
     owned = torch.nonzero(~flat[0, :, 0, 0].isnan()).flatten()
     write_kv(flat[0, owned], flat[1, owned], cache, owned, scales)
     return cache, scales
+
+
+def verify_layout(case: Case, num_padding_rows: int = 0
+                  ) -> tuple[AttentionMetadata, torch.Tensor]:
+    """The case as a verify step laid out one query token per row
+    (``worker/verify_layout.py``), padded by ``num_padding_rows`` rows, and
+    its ``[T + padding]`` positions. The case's requests must each have all
+    their new tokens at the end of their context (any step does)."""
+    from kvserve.worker.verify_layout import VerifyBuffers
+
+    md = case.metadata
+    query_lens = torch.tensor(md.query_start_loc_cpu).diff()
+    seq_lens = torch.tensor(md.seq_lens_cpu)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens.tolist(),
+                                                                   seq_lens.tolist(),
+                                                                   strict=True)])
+    num_rows = md.num_tokens + num_padding_rows
+    device = md.block_table.device
+    buffers = VerifyBuffers(num_rows + 2, md.block_table.shape[1], device)
+    host = buffers.fill(positions.numpy(), query_lens.numpy(), num_rows)
+    buffers.gather(md.block_table, num_rows)
+    slot_mapping = torch.cat([md.slot_mapping,
+                              torch.full((num_padding_rows,), -1, dtype=md.slot_mapping.dtype,
+                                         device=device)])
+    metadata = buffers.metadata(num_rows, slot_mapping, md.max_seq_len,
+                                host if not num_padding_rows else None)
+    return metadata, torch.cat([positions, torch.zeros(num_padding_rows, dtype=torch.int64)]
+                               ).to(device)

@@ -19,7 +19,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvserve.kernels.fp8_quant import per_token_quant_fp8_kernel
+from kvserve.kernels.fp8_quant import per_token_quant_kernel
+from kvserve.kernels.int8_scale import scale_int32_kernel
 from kvserve.kernels.lora import SPLIT_K, lora_expand_kernel, lora_shrink_kernel
 from kvserve.kernels.paged_attention import decode_attention_kernel, prefill_attention_kernel
 from kvserve.kernels.quant_matmul_kernels import (
@@ -183,11 +184,15 @@ def main() -> None:
     build(store_kv_kernel, kv_pointers, dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
                                              KV_QUANT=0), ())
     build_kv_cache_dtypes()
-    for dtype, (block, one_pass) in itertools.product(("*bf16", "*fp16", "*fp32"),
-                                                      ((4096, True), (4096, False))):
-        build(per_token_quant_fp8_kernel, {"x_ptr": dtype, "out_ptr": "*fp8e4nv",
-                                           "scale_ptr": "*fp32"},
-              dict(BLOCK=block, ONE_PASS=one_pass), (), num_warps=8)
+    for dtype, (block, one_pass), (out, qmax, quant) in itertools.product(
+            ("*bf16", "*fp16", "*fp32"), ((4096, True), (4096, False)),
+            (("*fp8e4nv", 448.0, 1), ("*i8", 127.0, 2))):  # FP8, INT8 W8A8
+        build(per_token_quant_kernel, {"x_ptr": dtype, "out_ptr": out, "scale_ptr": "*fp32"},
+              dict(QMAX=qmax, QUANT=quant, BLOCK=block, ONE_PASS=one_pass), (), num_warps=8)
+    for out, has_bias in itertools.product(("*bf16", "*fp16"), (True, False)):  # INT8 epilogue
+        build(scale_int32_kernel, {"acc_ptr": "*i32", "x_scale_ptr": "*fp32",
+                                   "w_scale_ptr": "*fp32", "bias_ptr": out, "out_ptr": out},
+              dict(HAS_BIAS=has_bias, BLOCK_M=32, BLOCK_N=128), (), num_warps=4)
     build_quant_matmul()
     build_lora()
     print("compiled for sm_90")

@@ -61,6 +61,9 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
     }}, {}),
     "llama_sharded": ("LlamaConfig", {"num_hidden_layers": 3}, {"max_shard_size": "200KB"}),
+    # 8 query heads (head_dim 16), 2 KV heads, 4 layers: splits 8 ways, 4 stages
+    "llama_wide": ("LlamaConfig", {"hidden_size": 128, "intermediate_size": 256,
+                                   "num_attention_heads": 8, "num_hidden_layers": 4}, {}),
     "mistral": ("MistralConfig", {"sliding_window": 8, "head_dim": 16}, {}),
     "qwen2": ("Qwen2Config", {"rope_parameters": {
         "rope_type": "default", "rope_theta": 1000000.0,

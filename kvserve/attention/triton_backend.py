@@ -7,7 +7,8 @@ one launch that rotates q in place and stores the rotated k with v, leaving
 the same bits as ``apply_rotary`` then ``store_kv`` with a launch fewer per
 layer. In a decode step (every request one new token) with full rotary,
 ``decode_attention`` does that work itself (``new_kv``), one launch a layer
-in all. Then:
+in all (not in a verify step laid out one token per row, ``metadata.verify``,
+whose rows read each other's new KV: it stores first). Then:
 
 - ``decode_attention`` (split-K, flash-decoding) for every request with one
   new token, so long contexts at small batch still fill the GPU; that is the
@@ -63,7 +64,7 @@ class TritonAttentionBackend:
         kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-        if (rope is not None and metadata.max_query_len == 1
+        if (rope is not None and metadata.max_query_len == 1 and not metadata.verify
                 and fuses_new_kv(q.shape[-1], rope.rotary_dim)):
             # a decode step: the decode kernel rotates and writes the new KV itself
             return decode_attention(

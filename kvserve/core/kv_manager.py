@@ -229,6 +229,23 @@ class KVCacheManager:
         self.num_onloaded_blocks += len(new_blocks)
         return True
 
+    def allocate_for_receive(self, request: Request, computed: list[KVBlock],
+                             num_tokens: int) -> list[KVBlock] | None:
+        """Hold the blocks that a request's first ``num_tokens`` tokens' KV
+        will be received into (disaggregated decode), after its prefix hits
+        ``computed``: the fresh ones are returned, and registered by hash
+        only once the request is admitted (``landing``), as their KV is not
+        there before. None (nothing changes) when the pool has no room."""
+        num_needed = self.num_blocks_needed(num_tokens) - len(computed)
+        num_reclaimed = sum(1 for block in computed if block.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_reclaimed:
+            return None
+        self.pool.touch(computed)
+        new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
+        self.req_to_blocks[request.request_id] = computed + new_blocks
+        self._num_hashed_blocks[request.request_id] = len(computed)
+        return new_blocks
+
     def _host_lookup(self, block_hash: bytes) -> int | None:
         """A host block to copy in, unless this step's copies out write it (the
         runner copies in before it copies out: the block is still on the

@@ -10,6 +10,7 @@ many tokens to run. The runner keeps the rest in its persistent state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.core.sampling_params import SamplingParams
 
@@ -133,6 +134,9 @@ class EngineCoreOutput:
     # when the request was first scheduled (time.monotonic, one clock for
     # every process of the host): set on its first output
     first_scheduled_s: float | None = None
+    # a prefill engine's answer on a finished request whose KV it keeps for a
+    # decode engine: where to pull it from (SamplingParams.kv_transfer_params)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

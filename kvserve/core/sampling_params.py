@@ -65,6 +65,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     structured_output: StructuredOutputParams | None = None
+    # disaggregated prefill / decode (vLLM's names): {"do_remote_decode": true} asks a
+    # prefill engine to keep the prompt's KV for a decode engine; a decode engine
+    # gets what the prefill engine answered ({"do_remote_prefill": true, "remote_*"})
+    kv_transfer_params: dict[str, Any] | None = None
     # the compiled grammar of structured_output, bound by the engine (shared, never copied)
     _grammar: Any = field(default=None, init=False, repr=False, compare=False)
     # the model's EOS ids, bound by the engine through with_eos_token_ids()
@@ -92,6 +96,9 @@ class SamplingParams:
     def _validate_sampling(self) -> None:
         if self.n < 1:
             raise _invalid("n", self.n, "must be >= 1")
+        if self.kv_transfer_params is not None and self.n != 1:
+            raise _invalid("n", self.n, "must be 1 with kv_transfer_params (disaggregated "
+                           "prefill / decode)")
         if not self.temperature >= 0:
             raise _invalid("temperature", self.temperature, "must be >= 0")
         if not 0 < self.top_p <= 1:

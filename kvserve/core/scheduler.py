@@ -45,7 +45,8 @@ back ``num_computed_tokens`` by the rejected proposals and frees the whole
 blocks past it, so only accepted tokens stay (and only blocks full of
 accepted tokens are ever registered in the prefix cache). A step that
 verifies or proposes must be read before the next one is planned
-(``SchedulerOutput.is_spec_step``): the engine core runs it synchronously.
+(``SchedulerOutput.is_spec_step``): the engine core reads it before it
+calls ``schedule`` again.
 
 With ``step_token_sizes`` (the token counts the runner has CUDA graphs for)
 the last prompt chunk admitted to a step is trimmed so that the step ends on
@@ -110,6 +111,13 @@ class Scheduler:
         self._uses_lookahead = (speculative_config is not None
                                 and speculative_config.uses_lookahead_slots)
         self._num_spec_step = 0  # tokens to propose per sampling request this step
+        # adapters being read back into host memory: their waiting requests wait
+        self.loras_loading: set[int] = set()
+        # disaggregated prefill: finished requests whose blocks a decode engine pulls
+        self.kv_pinned: dict[str, Request] = {}
+        # disaggregated decode: waiting requests whose KV is being received,
+        # with the tokens it covers (aborted ones stay until the pull ends)
+        self.kv_receiving: dict[str, tuple[Request, int]] = {}
 
     # ---------------------------------------------------------------- admission
 
@@ -174,11 +182,57 @@ class Scheduler:
             self.waiting.remove(request)
 
     def _free(self, request: Request) -> None:
-        self.kv_manager.free(request)
+        params = request.sampling_params.kv_transfer_params
+        if request.request_id in self.kv_receiving:
+            pass  # its blocks are being written: freed when the pull ends
+        elif (params and params.get("do_remote_decode")
+              and request.status is not RequestStatus.FINISHED_ABORTED):
+            self.kv_pinned[request.request_id] = request  # until release_kv
+        else:
+            self.kv_manager.free(request)
         del self.requests[request.request_id]
         self._send_whole.discard(request.request_id)
         self._prompt_logprobs_ready.discard(request.request_id)
         self._finished_ids.add(request.request_id)
+
+    # ---------------------------------------------------- disaggregated prefill / decode
+
+    def release_kv(self, request_id: str) -> None:
+        """A finished prefill's pinned blocks were pulled (or expired): free them."""
+        request = self.kv_pinned.pop(request_id, None)
+        if request is not None:
+            self.kv_manager.free(request)
+
+    def start_kv_receive(self, request_id: str, num_tokens: int) -> tuple[list[int], int] | None:
+        """Give a waiting request the blocks for its first ``num_tokens``
+        tokens' KV, to be received from a prefill engine; it is not scheduled
+        until ``finish_kv_receive``. Returns the block ids to receive into and
+        how many leading blocks the local prefix cache had already (those
+        need no transfer), or None when the pool has no room (the request
+        then computes its prompt as any other)."""
+        request = self.requests[request_id]
+        computed, num_hit = self.kv_manager.get_computed_blocks(request)
+        new_blocks = self.kv_manager.allocate_for_receive(request, computed, num_tokens)
+        if new_blocks is None:
+            return None
+        request.num_cached_tokens = num_hit
+        request.times.first_scheduled_s = time.monotonic()
+        if new_blocks:
+            self.kv_receiving[request_id] = (request, num_tokens)
+        else:  # all in the local prefix cache
+            self.kv_manager.landing[request_id] = num_tokens
+        return [block.block_id for block in new_blocks], len(computed)
+
+    def finish_kv_receive(self, request_id: str, ok: bool) -> None:
+        """The pull of a request's KV ended: it runs from the received tokens
+        on (``ok``), or computes its prompt itself."""
+        request, num_tokens = self.kv_receiving.pop(request_id, (None, 0))
+        if request is None:
+            return
+        if ok and request_id in self.requests:
+            self.kv_manager.landing[request_id] = num_tokens
+        else:  # failed, or aborted meanwhile: the unregistered blocks go back
+            self.kv_manager.free(request)
 
     # ---------------------------------------------------------------- schedule
 
@@ -276,9 +330,13 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs
                and len(out.num_scheduled_tokens) < max_reqs):
             request = self.waiting[index]
-            if (request.lora_int_id and request.lora_int_id not in running_loras
-                    and len(running_loras) >= self.max_loras):
-                index += 1  # its adapter waits for a slot; later requests may still run
+            if self.kv_receiving and request.request_id in self.kv_receiving:
+                index += 1  # its KV is still on its way from a prefill engine
+                continue
+            if request.lora_int_id and (request.lora_int_id in self.loras_loading or (
+                    request.lora_int_id not in running_loras
+                    and len(running_loras) >= self.max_loras)):
+                index += 1  # its adapter waits for a slot or a read; later requests may run
                 continue
             if request.num_output_placeholders and self.num_stages > 1:
                 index += 1  # preempted with a step in flight: it resumes once that is back
@@ -324,6 +382,18 @@ class Scheduler:
                 request.times.first_scheduled_s = time.monotonic()
             self._record(request, num_new, [], out, 0, num_draft)
             budget -= num_new
+
+    def waiting_lora_ids(self) -> list[int]:
+        """The adapters of the waiting requests that no running request uses,
+        in queue order, at most ``max_loras`` (those that could start next)."""
+        running = {r.lora_int_id for r in self.running}
+        wanted: list[int] = []
+        for request in self.waiting:
+            if len(wanted) == self.max_loras:
+                break
+            if request.lora_int_id and request.lora_int_id not in running | set(wanted):
+                wanted.append(request.lora_int_id)
+        return wanted
 
     def _free_seats(self) -> int:
         """Requests that may be landing (copies in from the host tier) at once:
@@ -526,6 +596,8 @@ class Scheduler:
             "prefix_cache_queries": self.kv_manager.prefix_cache_queries,
             "prefix_cache_hits": self.kv_manager.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
+            "kv_pinned_requests": len(self.kv_pinned),
+            "kv_receiving_requests": len(self.kv_receiving),
             **self._host_tier_stats(),
             "num_requests_running": len(self.running),
             "num_requests_waiting": len(self.waiting),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,14 @@ from kvserve.config import (
     PREEMPTION_MODES,
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
 from kvserve.distributed.sharding import check_split
+from kvserve.engine.generation_config import read_sampling_defaults
 from kvserve.engine.speculative import resolve_speculative_config
 from kvserve.engine.tokenizer import has_tokenizer
 from kvserve.models.hub import HubOptions
@@ -43,6 +46,12 @@ DEVICES = ("auto", "cpu", "cuda")
 MAX_CUDA_GRAPH_SIZE = 512
 # the most top logprobs a request may ask for, unless --max-logprobs says otherwise
 DEFAULT_MAX_LOGPROBS = 20
+# vLLM's kv_role names -> ours
+_VLLM_KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+# --kv-transfer-config keys -> (KVTransferConfig field, conversion)
+_KV_TRANSFER_KEYS: dict[str, tuple[str, Any]] = {
+    "kv_role": ("kv_role", str), "kv_ip": ("kv_transfer_host", str),
+    "kv_port": ("kv_transfer_port", int), "kv_timeout": ("kv_transfer_timeout_s", float)}
 
 
 def default_cuda_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -133,6 +142,14 @@ class EngineArgs:
     chat_template: str | None = None
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     num_cpu_threads: int | None = None
+    # "auto": the model's generation_config.json; "vllm": none; else a folder holding one
+    generation_config: str = "auto"
+    kv_role: str = "both"
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int = 14579
+    kv_transfer_timeout: float = 30.0
+    # vLLM's spelling, a JSON object; its keys override the flags above
+    kv_transfer_config: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # None: torchrun's variables (MASTER_ADDR, ...) when set, else one node on 127.0.0.1
@@ -192,6 +209,8 @@ class EngineArgs:
             cuda_graph_sizes = self._cuda_graph_sizes()
             cuda_graph_token_sizes = self._cuda_graph_token_sizes(max_batched)
         tokenizer = self._tokenizer_path(model, path, hub)
+        sampling_defaults = read_sampling_defaults(self.generation_config,
+                                                   str(path) if path is not None else None)
         return EngineConfig(
             model=model,
             model_config=model_config,
@@ -230,9 +249,38 @@ class EngineArgs:
             chat_template=chat_template,
             max_logprobs=self.max_logprobs,
             num_cpu_threads=self.num_cpu_threads,
+            sampling_defaults=sampling_defaults,
             speculative_config=resolve_speculative_config(self.speculative_config, model_config,
                                                           path, max_model_len),
+            kv_transfer_config=self._kv_transfer_config(),
         )
+
+    def _kv_transfer_config(self) -> KVTransferConfig:
+        """The role and transfer address, from the flags or from vLLM's
+        ``--kv-transfer-config`` JSON (kv_role kv_producer / kv_consumer /
+        kv_both, or prefill / decode / both; kv_ip, kv_port, kv_timeout)."""
+        values: dict[str, Any] = {
+            "kv_role": self.kv_role, "kv_transfer_host": self.kv_transfer_host,
+            "kv_transfer_port": self.kv_transfer_port,
+            "kv_transfer_timeout_s": float(self.kv_transfer_timeout)}
+        if self.kv_transfer_config:
+            try:
+                given = json.loads(self.kv_transfer_config)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
+            if not isinstance(given, dict):
+                raise ValueError("kv_transfer_config must be a JSON object, e.g. "
+                                 '\'{"kv_role": "kv_producer", "kv_port": 14579}\'')
+            unknown = set(given) - set(_KV_TRANSFER_KEYS) - {"kv_connector"}
+            if unknown:
+                raise ValueError(f"kv_transfer_config: unknown keys {sorted(unknown)}; known: "
+                                 f"{sorted(_KV_TRANSFER_KEYS)} (and kv_connector, ignored)")
+            for key, value in given.items():
+                if key in _KV_TRANSFER_KEYS:
+                    name, convert = _KV_TRANSFER_KEYS[key]
+                    values[name] = convert(value)
+        values["kv_role"] = _VLLM_KV_ROLES.get(values["kv_role"], values["kv_role"])
+        return KVTransferConfig(**values)
 
     def _parallel_config(self) -> ParallelConfig:
         """The split and the node layout; unset node flags fall back to torchrun's
@@ -360,6 +408,26 @@ class EngineArgs:
                            help="host memory (GB, pinned on CUDA) for a second KV tier: "
                                 "blocks the prefix cache evicts are copied there and come "
                                 "back on a hit (default: 0, off)")
+        group.add_argument("--kv-role", default=defaults.kv_role,
+                           choices=("prefill", "decode", "both"),
+                           help="disaggregated serving: prefill engines compute prompts and "
+                                "keep their KV for decode engines to pull; both: one engine "
+                                "does all (default: %(default)s)")
+        group.add_argument("--kv-transfer-host", default=defaults.kv_transfer_host,
+                           help="a prefill engine's address for KV pulls (default: "
+                                "%(default)s)")
+        group.add_argument("--kv-transfer-port", type=int, default=defaults.kv_transfer_port,
+                           help="a prefill engine's port for KV pulls; the port after it "
+                                "serves the transfer group's store (default: %(default)s)")
+        group.add_argument("--kv-transfer-timeout", type=float,
+                           default=defaults.kv_transfer_timeout,
+                           help="seconds a prefill engine keeps unpulled KV, and a decode "
+                                "engine waits for a pull before recomputing "
+                                "(default: %(default)s)")
+        group.add_argument("--kv-transfer-config", default=None,
+                           help="vLLM's spelling of the above, a JSON object: kv_role "
+                                "(kv_producer | kv_consumer | kv_both), kv_ip, kv_port, "
+                                "kv_timeout")
         group.add_argument("--preemption-mode", default=defaults.preemption_mode,
                            choices=PREEMPTION_MODES,
                            help="recompute: a preempted request's KV is dropped and computed "
@@ -419,6 +487,12 @@ class EngineArgs:
                                 "of the tokenizer's")
         group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
                            help="the most top logprobs a request may ask for; -1: no limit "
+                                "(default: %(default)s)")
+        group.add_argument("--generation-config", default=defaults.generation_config,
+                           help="default sampling parameters (temperature, top_p, top_k, "
+                                "min_p, repetition_penalty, max_new_tokens as max_tokens): "
+                                "'auto' from the model's generation_config.json, 'vllm' none, "
+                                "or a folder holding one; a request's values win "
                                 "(default: %(default)s)")
         group.add_argument("--num-cpu-threads", type=int, default=None,
                            help="torch threads of an engine on the CPU (default: the cores "

@@ -9,7 +9,8 @@ Requests arrive processed (``client.processor.process``: the one place a
 prompt is tokenized and validated), so a bad request fails at once with a
 ValueError and never reaches the loop; one the core refuses later (a core
 process) fails alone with that ValueError. A step that raises, or a core
-process that dies, kills the loop: every in-flight request gets an
+process that dies, kills the loop: every in-flight request, and every
+call queued for the loop (``add_lora``, ``remove_lora``), gets an
 ``EngineDeadError`` and ``health()`` reports it. With ``watchdog_s`` set, a
 watchdog thread does the same when one step runs longer than that (a hung
 forward): the stuck thread cannot be stopped, but every caller is released
@@ -20,6 +21,7 @@ watches its own steps and exits, which the loop sees).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import queue
@@ -103,6 +105,9 @@ class ThreadedEngineClient:
         self.watchdog_s = watchdog_s
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
+        # futures of ``_call``s not yet settled: a dying loop fails them
+        self._calls: set[asyncio.Future[Any]] = set()
+        self._calls_lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._last_progress_s = time.monotonic()
@@ -161,11 +166,19 @@ class ThreadedEngineClient:
 
     async def _call(self, fn: Callable[[], T]) -> T:
         """``fn()`` run on the engine's own thread between two steps; its
-        exception is raised here."""
-        self._raise_if_dead()
+        exception is raised here, and ``EngineDeadError`` as soon as the loop
+        dies (or the watchdog gives up on it) before it ran."""
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._put(("call", (fn, future)))
-        return await future
+        with self._calls_lock:
+            self._calls.add(future)
+        try:
+            # checked once the future is registered: a loop that dies from here on fails it
+            self._raise_if_dead()
+            self._put(("call", (fn, future)))
+            return await future
+        finally:
+            with self._calls_lock:
+                self._calls.discard(future)
 
     def health(self) -> EngineHealth:
         return EngineHealth(
@@ -234,6 +247,11 @@ class ThreadedEngineClient:
         dead = EngineDeadError(f"the engine loop stopped: {exc!r}")
         for request_id in list(self._sinks):
             self._deliver(request_id, dead)
+        with self._calls_lock:
+            calls = list(self._calls)
+        for future in calls:
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+                future.get_loop().call_soon_threadsafe(_resolve, future, None, dead)
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -146,7 +146,7 @@ class InprocCoreClient:
         return self.core.get_request(request_id)
 
     def check_alive(self) -> None:
-        pass
+        self.core.housekeep()  # the idle loop's turn: in-process the core cannot die alone
 
     def wake(self) -> None:
         pass

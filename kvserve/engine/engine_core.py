@@ -15,8 +15,13 @@ its outputs, so the host's scheduling, input preparation and output
 processing overlap the device's work instead of leaving it idle. Greedy
 output is the same either way; a request that stops (EOS, stop string) costs
 one step of wasted device work for it. A speculative step (one that verifies
-proposals or makes them) is reported in the call that queued it: the next
-step is planned from its accepted tokens and new proposals.
+proposals or makes them) must be read before the next step is planned (from
+its accepted tokens and new proposals): without async scheduling it is
+reported in the call that queued it; with it, it stays in flight and the
+next call reads it, plans and queues the next step, and only then returns
+its outputs, so the front end's output processing (detokenising, stop
+strings) overlaps the next step's device work as for plain steps. Its stop
+strings and aborts then land one step late, as they do for plain steps.
 
 With pipeline parallelism (``pipeline_parallel_size`` stages) as many steps
 are kept in flight as there are stages, so each stage works on its own
@@ -35,7 +40,11 @@ from kvserve.config import EngineConfig
 from kvserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
+from kvserve.engine.kv_connector import KVConnector, check_kv_transfer_params
 from kvserve.lora.request import LoRARequest
+
+# how long an idle step waits while adapters are read back from disk
+LORA_READ_POLL_S = 0.002
 
 
 class PendingOutput(Protocol):
@@ -105,8 +114,15 @@ class EngineCore:
         self.wait_s = 0.0  # time the host spent blocked on a step's output
         self.num_graph_steps = 0  # steps that replayed a CUDA graph
         self.num_padding_tokens = 0  # their tokens beyond the steps' own
+        # disaggregated prefill / decode (--kv-role prefill | decode)
+        self.kv_connector = (KVConnector(config.kv_transfer_config, self.scheduler, executor)
+                             if config.kv_transfer_config.disaggregated else None)
 
     def add_request(self, request: Request) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.add_request(request)
+            return
+        check_kv_transfer_params(request.sampling_params.kv_transfer_params, "both")
         self.scheduler.add_request(request)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
@@ -134,16 +150,25 @@ class EngineCore:
     def finish_stopped(self, request_ids: list[str]) -> None:
         """End requests stopped by a stop string found in their text."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+        for request_id in request_ids:  # no output says where their KV is: not kept
+            self.scheduler.release_kv(request_id)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and queue a step; report the oldest step beyond those kept
         in flight: this one, or with async scheduling one queued by an earlier
         call. An empty step is never left in flight; it reports the oldest
-        step in flight, so its requests can run again."""
+        step in flight, so its requests can run again. A speculative step in
+        flight is reported before the next step is planned."""
+        outputs = []
+        if self._in_flight and self._in_flight[-1][0].is_spec_step:
+            outputs = self._report(list(self._in_flight))
+            self._in_flight.clear()
+        self._prefetch_loras()
         scheduler_output = self.scheduler.schedule()
         pending = self.executor.execute_model(scheduler_output)
         to_report: list[tuple[SchedulerOutput, PendingOutput]] = []
-        if scheduler_output.is_spec_step:  # read at once: the next step is planned from it
+        if scheduler_output.is_spec_step and not self.max_in_flight:
+            # read at once: the next step is planned from it
             to_report.extend(self._in_flight)
             self._in_flight.clear()
             to_report.append((scheduler_output, pending))
@@ -155,8 +180,19 @@ class EngineCore:
             self._in_flight.append((scheduler_output, pending))
             while len(self._in_flight) > self.max_in_flight:
                 to_report.append(self._in_flight.popleft())
+        outputs += self._report(to_report)
+        if self.kv_connector is not None:
+            self.kv_connector.after_step(outputs)
+            if scheduler_output.is_empty and not self._in_flight and not outputs:
+                self.kv_connector.wait()  # only transfers under way: do not spin
+        self.last_step_s = time.monotonic()
+        return outputs
+
+    def _report(self, steps: list[tuple[SchedulerOutput, PendingOutput]]
+                ) -> list[EngineCoreOutput]:
+        """Wait for ``steps`` (oldest first) and update the scheduler from them."""
         outputs = []
-        for reported_output, reported_pending in to_report:
+        for reported_output, reported_pending in steps:
             start = time.perf_counter()
             runner_output = reported_pending.get()
             self.wait_s += time.perf_counter() - start
@@ -165,14 +201,33 @@ class EngineCore:
             self.num_padding_tokens += runner_output.num_padding_tokens
             outputs += self.scheduler.update_from_output(reported_output, runner_output)
             self.num_steps += not reported_output.is_empty
-        self.last_step_s = time.monotonic()
         return outputs
 
+    def _prefetch_loras(self) -> None:
+        """Start reading the adapters the next waiting requests need and the
+        host cache dropped; the scheduler holds those requests back until
+        they are in (an executor without ``prefetch_loras`` reads in its step)."""
+        prefetch = getattr(self.executor, "prefetch_loras", None)
+        if prefetch is None or not self.scheduler.max_loras:
+            return
+        loading = self.scheduler.loras_loading = prefetch(self.scheduler.waiting_lora_ids())
+        if loading and not self.scheduler.running and not self._in_flight:
+            time.sleep(LORA_READ_POLL_S)  # nothing else to run: no busy loop
+
+    def housekeep(self) -> None:
+        """Work that does not wait for requests: free the blocks of a prefill
+        engine's offers that ended while it had nothing to run."""
+        if self.kv_connector is not None:
+            self.kv_connector.after_step([])
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests or bool(self._in_flight)
+        return (self.scheduler.has_unfinished_requests or bool(self._in_flight)
+                or (self.kv_connector is not None and self.kv_connector.busy()))
 
     def shutdown(self, kill: bool = False) -> None:
         """Stop the executor's processes, if it has any (``kill``: at once)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         self.executor.shutdown(kill)
 
     def get_request(self, request_id: str) -> Request | None:
@@ -181,6 +236,8 @@ class EngineCore:
     def stats(self) -> dict[str, Any]:
         # the host KV tier's bytes and copy times, where the executor counts them
         transfers: dict[str, Any] = getattr(self.executor, "kv_transfer_stats", dict)()
+        if self.kv_connector is not None:
+            transfers.update(self.kv_connector.stats())
         return {**self.scheduler.stats(), **transfers, "num_steps": self.num_steps,
                 "num_graph_steps": self.num_graph_steps,
                 "num_padding_tokens": self.num_padding_tokens,

@@ -8,7 +8,7 @@ With ``enable_lora=True``, ``lora_request`` runs prompts with PEFT adapters.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 from tqdm import tqdm
@@ -42,6 +42,12 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without ``sampling_params``: the engine's
+        defaults, with the model's recommended values from its
+        ``generation_config.json`` (``generation_config``, as vLLM's)."""
+        return SamplingParams(**self.engine.config.sampling_defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -58,7 +64,8 @@ class LLM:
         any runs, so a bad one raises ValueError and nothing is queued.
         """
         prompt_list = _as_prompt_list(prompts)
-        params_list = _broadcast(sampling_params, len(prompt_list))
+        params_list = _broadcast(sampling_params, len(prompt_list),
+                                 self.get_default_sampling_params)
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         loras = _broadcast_loras(lora_request, len(prompt_list))
         processor = self.engine.processor
@@ -141,10 +148,11 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _broadcast(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int,
+    default: Callable[[], SamplingParams],
 ) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams() for _ in range(count)]
+        return [default() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
     return _one_per_prompt(list(params), count, "sampling_params")

@@ -79,6 +79,8 @@ class _Tracked:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # with prompt_logprobs: None for the first prompt token, then one dict each
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # a prefill engine's answer: where a decode engine pulls the request's KV
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -271,6 +273,8 @@ class LLMEngine:
                 # every sample computes them, so a stream has them with any
                 # choice's first token; the first in is kept
                 tracked.prompt_logprobs = [None, *map(self._ranked, core_output.prompt_logprobs)]
+            if core_output.kv_transfer_params is not None:
+                tracked.kv_transfer_params = core_output.kv_transfer_params
             if sample.decode_at_end and core_output.finish_reason is None:
                 continue  # nothing to decode or report before it finishes
             delta_text = self._detokenize(sample, core_output, stopped)
@@ -377,6 +381,7 @@ class LLMEngine:
             outputs=completions,
             finished=finished,
             metrics=tracked.metrics,
+            kv_transfer_params=tracked.kv_transfer_params,
         )
 
     def _finish_output(self, tracked: _Tracked) -> RequestOutput:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.core.request import RequestTimes
 
@@ -58,6 +59,9 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs, from the first output on: None for
     # the first prompt token, then token id -> Logprob (the prompt token + top ones)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # a prefill engine's answer on a finished request whose KV it keeps for a
+    # decode engine (SamplingParams.kv_transfer_params)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

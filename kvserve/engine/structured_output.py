@@ -1,4 +1,4 @@
-"""Compiles ``StructuredOutputParams`` into xgrammar grammars, cached.
+r"""Compiles ``StructuredOutputParams`` into xgrammar grammars, cached.
 
 One ``GrammarCompiler`` per engine, built on first use from the engine's
 tokenizer and the model's vocabulary size (the logits' width, which may be
@@ -10,11 +10,19 @@ the compiled grammar as xgrammar's JSON (``serialize``) and rebuilds it in
 well under a millisecond (``deserialize``). JSON is generated compact (no
 free whitespace: a model cannot spend its tokens on spaces). xgrammar is imported only here and in
 ``worker/structured_output.py``.
+
+xgrammar 0.2.8 turns a string with ``minLength`` / ``maxLength`` into
+``"\"" chars{m, n} "\""`` with ``chars ::= [^\"\\\r\n]``: raw control
+characters (tab, NUL, ...) pass, which JSON forbids, and escapes do not.
+``_json_schema_grammar`` rewrites that class in the EBNF xgrammar made into
+one JSON character (anything but a control character, ``"`` or ``\``, or
+an escape), then compiles the EBNF (decision 0036).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -24,6 +32,12 @@ from kvserve.engine.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
 
 # compiled grammars kept (least recently used dropped first)
 MAX_CACHED_GRAMMARS = 256
+
+# xgrammar's character rule of a length-bounded string, as it prints it, and
+# the JSON string character it must be (xgrammar's own escape rule included)
+_BOUNDED_STRING_CHAR = re.compile(r'^(\w+_characters ::= )\(\(\[\^\\"\\\\\\r\\n\]\)\)$',
+                                  re.MULTILINE)
+_JSON_STRING_CHAR = r'\1(([^\\0-\\x1f\\"\\\\]) | ("\\\\" basic_escape))'
 
 
 class GrammarError(ValueError):
@@ -87,10 +101,21 @@ class StructuredOutputCompiler:
 
         return xgrammar.CompiledGrammar.deserialize_json(text, self._info)
 
+    def _json_schema_grammar(self, schema: str) -> Any:
+        """The compiled grammar of a JSON schema, its length-bounded strings'
+        characters restricted to what JSON allows (see the module docstring)."""
+        import xgrammar
+
+        ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
+        fixed, count = _BOUNDED_STRING_CHAR.subn(_JSON_STRING_CHAR, ebnf)
+        if not count:
+            return self._compiler.compile_json_schema(schema, any_whitespace=False)
+        return self._compiler.compile_grammar(fixed)
+
     def _compile(self, params: StructuredOutputParams) -> Any:
         compiler = self._compiler
         if params.json is not None:
-            return compiler.compile_json_schema(json.dumps(params.json), any_whitespace=False)
+            return self._json_schema_grammar(json.dumps(params.json))
         if params.json_object:
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if params.regex is not None:

@@ -7,8 +7,11 @@ layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``: the HF
 projections q/k/v/o/gate/up/down) in a ``LoRALinear``. ``add_lora`` reads a
 PEFT adapter, checks it against the model and keeps it on the host in the
 slots' layout (B pre-multiplied by ``lora_alpha / r``, pinned on CUDA), the
-least recently used host copy dropped beyond ``max_cpu_loras`` (read again
-from its directory when a step needs it). ``set_batch``, called once per
+least recently used host copy dropped beyond ``max_cpu_loras``.
+``prefetch`` reads dropped adapters again on a loader thread, so the steps
+go on meanwhile (the scheduler holds back the requests whose adapter is not
+back yet); only a running request whose adapter lost both its slot and its
+host copy still waits for a read inside a step. ``set_batch``, called once per
 step with each request's adapter id and token count, makes the step's
 adapters resident (evicting the least recently used adapter the step does
 not use; the copy into the slot is queued on the stream, the host does not
@@ -19,10 +22,12 @@ uses at most ``max_loras`` adapters. The base weights are never modified.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +50,8 @@ from kvserve.lora.peft import (
 from kvserve.lora.request import LoRARequest
 from kvserve.models.loader import iter_safetensors
 from kvserve.models.registry import CausalLM
+
+logger = logging.getLogger(__name__)
 
 _LAYER_MODULE_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
 
@@ -110,6 +117,12 @@ class LoRAManager:
         self._wrap_linears(model)
         # copies into a slot, and reads from disk (the first, and after a host eviction)
         self.num_slot_loads = self.num_disk_loads = 0
+        # reads made inside a step (a running request's adapter had neither a
+        # slot nor a host copy, or its read had not finished)
+        self.num_blocking_reads = 0
+        # lora_int_id -> its read again on the loader thread (started lazily)
+        self._reads: dict[int, Future[HostAdapter]] = {}
+        self._loader: ThreadPoolExecutor | None = None
         # CUDA: slots are loaded on a side stream; per slot, the end of the last
         # step that read it; the slots of the step being prepared; the loads'
         # end (the step waits for it)
@@ -180,12 +193,43 @@ class LoRAManager:
         engine removes only adapters no unfinished request uses."""
         if self.requests.pop(lora_int_id, None) is None:
             return False
+        read = self._reads.pop(lora_int_id, None)
+        if read is not None and not read.cancel():
+            read.exception()  # let the read under way land before forgetting its copy
         with self._lock:
             self.host.pop(lora_int_id, None)
         slot = self.slots.pop(lora_int_id, None)
         if slot is not None:
             self.free_slots.append(slot)
         return True
+
+    def prefetch(self, lora_int_ids: Iterable[int]) -> set[int]:
+        """Of ``lora_int_ids``, those a step cannot use without waiting for a
+        read: neither in a slot nor in the host cache. Their reads start (or go
+        on) on the loader thread; a read that failed is forgotten, so the step
+        that needs the adapter reads it again and raises the error."""
+        loading = set()
+        for lora_id in lora_int_ids:
+            if lora_id in self.slots or lora_id not in self.requests:
+                continue
+            with self._lock:
+                if lora_id in self.host:
+                    continue
+            read = self._reads.get(lora_id)
+            if read is not None and read.done():
+                del self._reads[lora_id]
+                if read.exception() is not None:
+                    logger.warning("reading LoRA adapter %d again failed: %s", lora_id,
+                                   read.exception())
+                    continue
+                if lora_id in self.host:
+                    continue  # landed (else dropped again at once: read it once more)
+            if lora_id not in self._reads:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-lora")
+                self._reads[lora_id] = self._loader.submit(self._read, self.requests[lora_id])
+            loading.add(lora_id)
+        return loading
 
     def _read(self, lora_request: LoRARequest) -> HostAdapter:
         """Read, check and pack an adapter into the host cache (dropping the least
@@ -313,8 +357,10 @@ class LoRAManager:
             adapter = self.host.get(lora_id)
             if adapter is not None:
                 self.host.move_to_end(lora_id)
-        if adapter is None:  # dropped from the host cache: read it again
-            adapter = self._read(self.requests[lora_id])
+        if adapter is None:  # dropped from the host cache: wait for (or make) a read
+            self.num_blocking_reads += 1
+            read = self._reads.pop(lora_id, None)
+            adapter = read.result() if read is not None else self._read(self.requests[lora_id])
         if self.free_slots:
             slot = self.free_slots.pop()
         else:

@@ -4,7 +4,8 @@
 size, symmetric or with zero points, act-order, which linears stay in 16
 bits, whether the weights are integers (weight-only, 16-bit activations) or
 FP8 e4m3 with FP8 activations (``weight_type="fp8"``: W8A8, per-channel
-weight scales, dynamic per-token activation scales), and the checkpoint
+weight scales, dynamic per-token activation scales) or int8 with int8
+activations (``weight_type="w8a8-int8"``, the same scales), and the checkpoint
 format the tensors come in (None when kvserve quantises a 16-bit checkpoint
 itself at load, round-to-nearest). It is read
 from ``config.json``'s ``quantization_config`` (``quant/formats``) or made
@@ -24,9 +25,11 @@ CHECKPOINT_FORMATS = ("gptq", "gptq_v2", "awq", "compressed-tensors", "fp8")
 # --quantization values that round a 16-bit checkpoint at load: (bits, group size)
 QUANTIZE_AT_LOAD = {
     "int8": (8, -1), "int4": (4, 128), "int4-g32": (4, 32), "int4-g64": (4, 64),
-    "int4-g128": (4, 128), "fp8": (8, -1),
+    "int4-g128": (4, 128), "fp8": (8, -1), "w8a8-int8": (8, -1),
 }
-WEIGHT_TYPES = ("int", "fp8")
+# "int": weight-only; the W8A8 types quantise activations per token as the model runs
+WEIGHT_TYPES = ("int", "fp8", "w8a8-int8")
+W8A8_TYPES = ("fp8", "w8a8-int8")
 
 
 @dataclass(frozen=True)
@@ -43,16 +46,18 @@ class QuantConfig:
     # ``model.layers.0.mlp.down_proj``) or ``re:``-prefixed regexes, as
     # compressed-tensors writes them; a packed linear matches by its HF parts
     ignore: tuple[str, ...] = ("lm_head",)
-    # "int": weight-only integers; "fp8": e4m3 weights and per-token e4m3 activations
+    # "int": weight-only integers; "fp8": e4m3 weights and per-token e4m3
+    # activations; "w8a8-int8": int8 weights and per-token int8 activations
     weight_type: str = "int"
 
     def __post_init__(self) -> None:
         if self.weight_type not in WEIGHT_TYPES:
             raise ValueError(f"quantization: weight_type='{self.weight_type}' is not "
                              f"supported; allowed: {', '.join(WEIGHT_TYPES)}")
-        if self.weight_type == "fp8" and (self.bits, self.group_size, self.symmetric,
-                                          self.act_order) != (8, -1, True, False):
-            raise ValueError("quantization: fp8 weights are 8-bit, symmetric, one scale per "
+        if self.weight_type in W8A8_TYPES and (self.bits, self.group_size, self.symmetric,
+                                               self.act_order) != (8, -1, True, False):
+            raise ValueError(f"quantization: {self.weight_type} weights are 8-bit, symmetric, "
+                             "one scale per "
                              f"output channel, no act-order; got bits={self.bits}, group_size="
                              f"{self.group_size}, symmetric={self.symmetric}, act_order="
                              f"{self.act_order}")
@@ -69,9 +74,9 @@ class QuantConfig:
     @property
     def name(self) -> str:
         """A short label: ``int4-g128``, ``int8`` (per channel), ``-asym`` for zero
-        points, ``fp8`` for FP8 W8A8."""
-        if self.weight_type == "fp8":
-            return "fp8"
+        points, ``fp8`` / ``w8a8-int8`` for the W8A8 types."""
+        if self.weight_type in W8A8_TYPES:
+            return self.weight_type
         group = "" if self.group_size == -1 else f"-g{self.group_size}"
         return f"int{self.bits}{group}{'' if self.symmetric else '-asym'}"
 
@@ -106,4 +111,4 @@ def quantize_at_load(name: str, quantize_lm_head: bool = False) -> QuantConfig:
     bits, group_size = QUANTIZE_AT_LOAD[name]
     return QuantConfig(bits=bits, group_size=group_size,
                        ignore=() if quantize_lm_head else ("lm_head",),
-                       weight_type="fp8" if name == "fp8" else "int")
+                       weight_type=name if name in W8A8_TYPES else "int")

@@ -27,7 +27,11 @@ float32 matmul). ``Fp8LinearMethod`` holds FP8 W8A8 weights (e4m3
 ``qweight [N, K]``, float32 per-channel ``scales [N, 1]``) and quantises the
 activations per token as it runs: with ``use_triton`` on CUDA through the
 Triton quantiser and ``torch._scaled_mm``, else the torch reference
-(``quant/fp8.py``). Loading checkpoints
+(``quant/fp8.py``). ``Int8W8A8LinearMethod`` is the same with int8 weights
+and int8 per-token activations: with ``use_triton`` on CUDA the Triton
+quantiser, ``torch._int_mm`` (int32 accumulation) and a Triton epilogue
+(the scales and bias in float32, one pass), else the torch reference
+(``quant/int8.py``). Loading checkpoints
 of other layouts is not done here: ``quant/formats`` converts them first.
 A method's parameters are set on the layer by name, so ``layer`` is typed
 ``Any`` here.
@@ -41,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.quant import fp8
+from kvserve.quant import fp8, int8
 from kvserve.quant.config import QuantConfig
 from kvserve.quant.packing import QuantizedWeight, quantize_rtn, quantized_linear_reference
 
@@ -257,12 +261,17 @@ class Fp8LinearMethod(LinearMethod):
 
     quantized = True
     weight_names = ("qweight", "scales")
+    weight_dtype = torch.float8_e4m3fn
 
     def __init__(self, config: QuantConfig) -> None:
         self.config = config
 
+    @staticmethod
+    def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fp8.quantize_weight(weight)
+
     def create_weights(self, layer: Any) -> None:
-        layer.qweight = _param(layer.output_size, layer.input_size, dtype=torch.float8_e4m3fn)
+        layer.qweight = _param(layer.output_size, layer.input_size, dtype=self.weight_dtype)
         layer.scales = _param(layer.output_size, 1, dtype=torch.float32)
 
     def input_shard(self, layer: Any, name: str, rank: int) -> tuple[int, int, int] | None:
@@ -279,15 +288,15 @@ class Fp8LinearMethod(LinearMethod):
             stop = min(n, start + rows)
             weight = torch.randn(stop - start, k, generator=generator,
                                  device=layer.qweight.device) * std
-            qweight, scales = fp8.quantize_weight(weight)
+            qweight, scales = self.quantize_weight(weight)
             layer.qweight[start:stop].copy_(qweight)
             layer.scales[start:stop].copy_(scales)
 
     def process_weights_after_loading(self, layer: Any) -> None:
         """Check the loaded scales: finite and >= 0 (a corrupt checkpoint fails here)."""
         if not bool(torch.isfinite(layer.scales).all()) or bool((layer.scales < 0).any()):
-            raise ValueError("quantization: an fp8 linear's weight scales are not all finite "
-                             f"and >= 0 (output size {layer.output_size})")
+            raise ValueError(f"quantization: a {self.config.name} linear's weight scales are "
+                             f"not all finite and >= 0 (output size {layer.output_size})")
 
     def apply(
         self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None
@@ -301,6 +310,44 @@ class Fp8LinearMethod(LinearMethod):
                                    scale_b=layer.scales.t(), bias=bias, out_dtype=x.dtype)
             return out.reshape(*x.shape[:-1], layer.output_size)
         return fp8.fp8_linear_reference(x, layer.qweight, layer.scales, bias)
+
+
+class Int8W8A8LinearMethod(Fp8LinearMethod):
+    """INT8 weights with per-channel scales, INT8 activations with dynamic
+    per-token scales (``quant/int8.py`` defines the arithmetic)."""
+
+    weight_dtype = torch.int8
+
+    @staticmethod
+    def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return int8.quantize_weight(weight)
+
+    def apply(
+        self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if layer.use_triton and _int_mm_supported(x, layer.qweight):
+            from kvserve.kernels.fp8_quant import per_token_quant_int8
+            from kvserve.kernels.int8_scale import scale_int32
+
+            rows = x.reshape(-1, x.shape[-1])
+            # torch._int_mm wants more than 16 rows: a small batch gets zero rows (not read back)
+            xq, x_scales = per_token_quant_int8(
+                rows.contiguous(), INT_MM_MIN_ROWS if rows.shape[0] < INT_MM_MIN_ROWS else None)
+            acc = torch._int_mm(xq, layer.qweight.t())
+            out = scale_int32(acc, x_scales, layer.scales, bias, x.dtype, rows.shape[0])
+            return out.reshape(*x.shape[:-1], layer.output_size)
+        return int8.int8_linear_reference(x, layer.qweight, layer.scales, bias)
+
+
+# the rows a small batch is padded to for torch._int_mm (which needs more than 16 on CUDA)
+INT_MM_MIN_ROWS = 32
+
+
+def _int_mm_supported(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether ``torch._int_mm`` runs this product on the GPU: CUDA, both sizes
+    multiples of 8 (the rows are padded to ``INT_MM_MIN_ROWS``)."""
+    n, k = qweight.shape
+    return x.is_cuda and n % 8 == 0 and k % 8 == 0
 
 
 def _scaled_mm_supported(x: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -325,6 +372,8 @@ def linear_method(quantization: QuantConfig | None, module_names: list[str]) -> 
     if not kept:
         if quantization.weight_type == "fp8":
             return Fp8LinearMethod(quantization)
+        if quantization.weight_type == "w8a8-int8":
+            return Int8W8A8LinearMethod(quantization)
         return WeightOnlyLinearMethod(quantization)
     if len(kept) != len(module_names):
         raise ValueError(

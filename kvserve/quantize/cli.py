@@ -11,12 +11,18 @@ import sys
 from pathlib import Path
 
 from kvserve.quant.config import GROUP_SIZES, WEIGHT_BITS
-from kvserve.quantize.options import METHODS, QuantizeOptions
+from kvserve.quantize.options import (
+    DEFAULT_BITS,
+    DEFAULT_GROUP_SIZE,
+    METHODS,
+    QuantizeOptions,
+)
 
 DESCRIPTION = """\
 Quantise a 16-bit checkpoint's linears to INT8 / INT4 weights (round-to-nearest, GPTQ or
-AWQ on calibration text) and write it in compressed-tensors pack-quantized format, which
-kvserve, vLLM, SGLang and transformers load. lm_head stays 16-bit. The output is written
+AWQ on calibration text) and write it in compressed-tensors pack-quantized format, or to
+INT8 W8A8 (SmoothQuant: int8 weights, int8 activations per token) in int-quantized format;
+kvserve, vLLM, SGLang and transformers load both. lm_head stays 16-bit. The output is written
 beside --output and renamed into place at the end: a failed run leaves nothing behind."""
 
 
@@ -26,11 +32,17 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("model", help="checkpoint directory, or a bundled model's name")
     parser.add_argument("--method", required=True, choices=METHODS,
                         help="rtn: round to nearest; gptq: error-correcting rounding from "
-                             "calibration activations; awq: activation-aware scales, then rtn")
-    parser.add_argument("--bits", type=int, default=4, choices=WEIGHT_BITS,
-                        help="bits per weight (default 4)")
-    parser.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES,
-                        help="input columns per scale; -1: one scale per output channel")
+                             "calibration activations; awq: activation-aware scales, then rtn; "
+                             "smoothquant: activation outliers folded into the weights, then "
+                             "INT8 W8A8 (serve with int8 activations)")
+    parser.add_argument("--bits", type=int, default=None, choices=WEIGHT_BITS,
+                        help="bits per weight (default 4; smoothquant: 8)")
+    parser.add_argument("--group-size", type=int, default=None, choices=GROUP_SIZES,
+                        help="input columns per scale; -1: one scale per output channel "
+                             "(default 128; smoothquant: -1)")
+    parser.add_argument("--alpha", type=float, default=0.5,
+                        help="smoothquant: migration strength in [0, 1], s = max|X|^alpha / "
+                             "max|W|^(1-alpha) (default 0.5)")
     symmetry = parser.add_mutually_exclusive_group()
     symmetry.add_argument("--asym", dest="symmetric", action="store_false", default=None,
                           help="zero points per group (default for awq)")
@@ -42,7 +54,7 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
                         help="gptq: fraction of the Hessian's mean diagonal added to it")
     parser.add_argument("--no-awq-clip", dest="awq_clip", action="store_false",
                         help="awq: skip the clipping-range search")
-    calib = parser.add_argument_group("calibration (gptq, awq)")
+    calib = parser.add_argument_group("calibration (gptq, awq, smoothquant)")
     calib.add_argument("--calib", type=Path, default=None,
                        help="a text file, a .jsonl with a 'text' field, or a directory of "
                             ".py / .txt files")
@@ -70,8 +82,11 @@ def _model_path(model: str) -> Path:
 
 def run_quantize(args: argparse.Namespace) -> int:
     options = QuantizeOptions(
-        model=_model_path(args.model), output=args.output, method=args.method, bits=args.bits,
-        group_size=args.group_size, symmetric=args.symmetric, act_order=args.act_order,
+        model=_model_path(args.model), output=args.output, method=args.method,
+        bits=DEFAULT_BITS[args.method] if args.bits is None else args.bits,
+        group_size=(DEFAULT_GROUP_SIZE[args.method] if args.group_size is None
+                    else args.group_size),
+        symmetric=args.symmetric, act_order=args.act_order, alpha=args.alpha,
         calib=args.calib, num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed,
         device=args.device, dampening=args.dampening, awq_clip=args.awq_clip,
         batch_size=args.batch_size,

@@ -14,7 +14,10 @@ from typing import Any
 from kvserve.config import ModelConfig
 from kvserve.quant.config import GROUP_SIZES, WEIGHT_BITS, QuantConfig
 
-METHODS = ("rtn", "gptq", "awq")
+METHODS = ("rtn", "gptq", "awq", "smoothquant")
+# the weights and the default group size of each method; smoothquant writes INT8 W8A8
+DEFAULT_BITS = {"rtn": 4, "gptq": 4, "awq": 4, "smoothquant": 8}
+DEFAULT_GROUP_SIZE = {"rtn": 128, "gptq": 128, "awq": 128, "smoothquant": -1}
 CHECKPOINT_FORMAT = "compressed-tensors"
 
 
@@ -37,11 +40,23 @@ class QuantizeOptions:
     dampening: float = 0.01  # GPTQ: fraction of the Hessian's mean diagonal added to it
     awq_clip: bool = True  # AWQ: search a clipping range per group after the scales
     batch_size: int = 8  # calibration windows per forward
+    alpha: float = 0.5  # smoothquant: migration strength, s = max|X|^a / max|W|^(1-a)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"--method '{self.method}' is not supported; "
                              f"allowed: {', '.join(METHODS)}")
+        if self.method == "smoothquant" and (self.bits, self.group_size) != (8, -1):
+            raise ValueError(f"--method smoothquant writes INT8 W8A8 (8 bits, one scale per "
+                             f"output channel); got --bits {self.bits} --group-size "
+                             f"{self.group_size}")
+        if self.method == "smoothquant" and self.symmetric is False:
+            raise ValueError("--method smoothquant writes symmetric int8; --asym is not allowed")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"--alpha {self.alpha} must lie in [0, 1]")
+        if self.alpha != 0.5 and self.method != "smoothquant":
+            raise ValueError(f"--alpha applies to --method smoothquant only; got --method "
+                             f"{self.method}")
         if self.bits not in WEIGHT_BITS:
             raise ValueError(f"--bits {self.bits} is not supported; allowed: {WEIGHT_BITS}")
         if self.group_size not in GROUP_SIZES:
@@ -77,7 +92,8 @@ class QuantizeOptions:
         Act-order is GPTQ's processing order only: the groups stay in column
         order, so the checkpoint has no ``g_idx`` (see ``gptq.py``)."""
         return QuantConfig(bits=self.bits, group_size=self.group_size,
-                           symmetric=self.is_symmetric, checkpoint_format=CHECKPOINT_FORMAT)
+                           symmetric=self.is_symmetric, checkpoint_format=CHECKPOINT_FORMAT,
+                           weight_type="w8a8-int8" if self.method == "smoothquant" else "int")
 
 
 def read_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig]:

@@ -7,7 +7,8 @@ dtype. The inputs of the first decoder layer are caught once per batch of
 calibration windows; then each layer in turn is moved to ``--device`` in
 float32, quantised (RTN needs no inputs; GPTQ per group of linears sharing
 an input, each group's Hessian taken with the earlier groups already
-quantised; AWQ per layer), its linears replaced by their dequantised
+quantised; AWQ per layer; SmoothQuant per layer, its scales folded into the
+norms before int8 rounding), its linears replaced by their dequantised
 weights, and run to give the next layer's inputs, so every layer is fitted
 to what the quantised layers before it produce. Every check that needs no
 model runs before the model is loaded (``options.py``, ``data.py``).
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from kvserve.config import ModelConfig
 from kvserve.quant.packing import QuantizedWeight, dequantize
-from kvserve.quantize import awq
+from kvserve.quantize import awq, smoothquant
 from kvserve.quantize.data import (
     calibration_windows,
     load_tokenizer,
@@ -145,13 +146,17 @@ def _calibrate(
     """Every layer quantised in order on the outputs of the quantised layers before it."""
     inputs, kwargs = _catch_layer_inputs(model, windows, options.batch_size, device)
     quantized: dict[str, QuantizedWeight] = {}
-    progress = tqdm(layers, desc=f"{options.method} {_label(scheme)}", unit="layer")
+    label = options.quant_config.name if options.method == "smoothquant" else _label(scheme)
+    progress = tqdm(layers, desc=f"{options.method} {label}", unit="layer")
     for i, layer in enumerate(progress):
         dtype = next(layer.parameters()).dtype
         layer.to(device, torch.float32)
         runner = LayerRunner(layer, inputs, kwargs)
         if options.method == "gptq":
             layer_weights = _gptq_layer(runner, scheme, options, f"model.layers.{i}")
+        elif options.method == "smoothquant":
+            layer_weights = smoothquant.smooth_and_quantize(runner, LINEARS, NORMS,
+                                                            options.alpha, dtype)
         else:
             layer_weights = _awq_layer(runner, scheme, options, config, dtype)
         for name, qw in layer_weights.items():

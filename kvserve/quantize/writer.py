@@ -14,6 +14,11 @@ Per quantised linear ``NAME`` (every decoder-layer linear; ``lm_head`` is in
   ``[ceil(N * bits / 32), K // group]``;
 - ``NAME.weight_shape`` int64 ``[N, K]``.
 
+An INT8 W8A8 run (``--method smoothquant``) writes format ``int-quantized``
+instead, as llm-compressor's ``W8A8`` scheme: ``NAME.weight`` int8 ``[N, K]``
+and ``NAME.weight_scale`` float32 ``[N, 1]``, activations dynamic per token
+(nothing stored).
+
 That is kvserve's ``QuantizedWeight`` repacked, with no arithmetic: the
 stored integers and scales are those of ``quant/packing.py``. ``config.json``
 is the source's plus ``quantization_config``; the tokenizer files and
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
     from kvserve.quantize.options import QuantizeOptions
 
 FORMAT = "pack-quantized"
+W8A8_FORMAT = "int-quantized"
 # the compressed-tensors release whose format and config this follows
 # (scripts/check_quantize_output.py checks a written checkpoint against it)
 COMPRESSED_TENSORS_VERSION = "0.20.0"
@@ -57,6 +63,7 @@ COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def quantization_config(quant: QuantConfig, act_order: bool) -> dict[str, Any]:
     """``config.json``'s ``quantization_config``, every field as llm-compressor writes it."""
+    w8a8 = quant.weight_type == "w8a8-int8"
     per_channel = quant.group_size == -1
     weights: dict[str, Any] = {
         "actorder": "static" if act_order else None,
@@ -72,12 +79,17 @@ def quantization_config(quant: QuantConfig, act_order: bool) -> dict[str, Any]:
         "type": "int",
         "zp_dtype": None if quant.symmetric else "torch.int8",
     }
+    activations = None
+    if w8a8:  # dynamic per-token int8, nothing stored
+        activations = {**weights, "actorder": None, "dynamic": True, "observer": None,
+                       "strategy": "token"}
+    fmt = W8A8_FORMAT if w8a8 else FORMAT
     return {
         "config_groups": {"group_0": {
-            "format": FORMAT, "input_activations": None, "output_activations": None,
+            "format": fmt, "input_activations": activations, "output_activations": None,
             "targets": ["Linear"], "weights": weights,
         }},
-        "format": FORMAT,
+        "format": fmt,
         "global_compression_ratio": None,
         "ignore": list(quant.ignore),
         "kv_cache_scheme": None,
@@ -100,8 +112,14 @@ def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def compressed_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-    """The compressed-tensors tensors of one linear, by suffix (see the module docstring)."""
+def compressed_tensors(qw: QuantizedWeight, w8a8: bool = False) -> dict[str, torch.Tensor]:
+    """The compressed-tensors tensors of one linear, by suffix (see the module
+    docstring); ``int-quantized`` ones with ``w8a8``."""
+    if w8a8:
+        if (qw.bits, qw.zeros, qw.scales.shape[1]) != (8, None, 1):
+            raise ValueError("int-quantized needs 8-bit symmetric per-channel weights")
+        return {"weight": (qw.qweight.to(torch.int16) - 128).to(torch.int8),
+                "weight_scale": qw.scales.float().contiguous()}
     if qw.perm is not None:
         raise ValueError("compressed-tensors pack-quantized has no act-order permutation; "
                          "the weight must be in column order")
@@ -118,7 +136,7 @@ def compressed_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_tensors(
-    model: nn.Module, quantized: dict[str, QuantizedWeight]
+    model: nn.Module, quantized: dict[str, QuantizedWeight], w8a8: bool = False
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint: the model's state with each quantised
     linear's ``weight`` replaced by its compressed tensors (a tied head once)."""
@@ -129,7 +147,7 @@ def checkpoint_tensors(
     for name, tensor in state.items():
         module = name.removesuffix(".weight")
         if module in quantized:
-            for suffix, value in compressed_tensors(quantized[module]).items():
+            for suffix, value in compressed_tensors(quantized[module], w8a8).items():
                 tensors[f"{module}.{suffix}"] = value
         else:
             tensors[name] = tensor.detach().cpu().contiguous()
@@ -198,7 +216,8 @@ def write_checkpoint(
     quantized: dict[str, QuantizedWeight],
 ) -> int:
     """Write the checkpoint to ``options.output``; returns its size in bytes."""
-    tensors = checkpoint_tensors(model, quantized)
+    tensors = checkpoint_tensors(model, quantized,
+                                 options.quant_config.weight_type == "w8a8-int8")
     config = {**hf_config,
               "quantization_config": quantization_config(options.quant_config, options.act_order)}
     with staging_directory(options.output) as staging:

@@ -226,19 +226,7 @@ def build_app(state: RouterState,
 
     app = FastAPI(title="kvserve router", lifespan=lifespan, openapi_url=None)
     forwarder = Forwarder(state)
-
-    async def completions(request: Request) -> Response:
-        return await forwarder.forward(request, "/v1/completions")
-
-    async def chat_completions(request: Request) -> Response:
-        return await forwarder.forward(request, "/v1/chat/completions")
-
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await forwarder.get_any(request, "/v1/models")
+    add_forwarding_routes(app, forwarder.forward, forwarder.get_any)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
@@ -258,6 +246,25 @@ def build_app(state: RouterState,
         return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     return app
+
+
+def add_forwarding_routes(app: FastAPI, forward: Callable[[Request, str], Awaitable[Response]],
+                          get_any: Callable[[Request, str], Awaitable[Response]]) -> None:
+    """The generation routes, forwarded with ``forward(request, path)``, and
+    ``/v1/models`` from any healthy backend."""
+
+    async def completions(request: Request) -> Response:
+        return await forward(request, "/v1/completions")
+
+    async def chat_completions(request: Request) -> Response:
+        return await forward(request, "/v1/chat/completions")
+
+    async def models(request: Request) -> Response:
+        return await get_any(request, "/v1/models")
+
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
 
 
 def backend_summary(pool: BackendPool) -> dict[str, Any]:

@@ -76,9 +76,15 @@ def add_router_parser(sub: Any) -> None:
                     "kvserve serve, or any OpenAI-compatible server with round_robin. "
                     "Serves /v1/completions, /v1/chat/completions, /v1/models, /health, "
                     "/ready and its own /metrics.")
-    parser.add_argument("--backend", nargs="+", action="extend", required=True,
+    parser.add_argument("--backend", nargs="+", action="extend", default=[],
                         metavar="URL", help="a backend's root URL, http://HOST:PORT "
                                             "(repeatable; each at most once)")
+    parser.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
+                        help="disaggregated mode: a prefill engine (kvserve serve --kv-role "
+                             "prefill); requests go to one of these first, then to --decode")
+    parser.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL",
+                        help="disaggregated mode: a decode engine (kvserve serve --kv-role "
+                             "decode), which pulls the prompt's KV and answers the client")
     parser.add_argument("--host", default="127.0.0.1",
                         help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
@@ -119,6 +125,9 @@ class RouterOptions:
     tokenizer: str | None = None
     uvicorn_log_level: str = "info"
     access_log: bool = True
+    # disaggregated mode (``backends`` empty): prefill engines, then decode engines
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
 
 
 def options_from_args(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
@@ -131,7 +140,15 @@ def options_from_args(args: argparse.Namespace, prefix: str = "") -> dict[str, A
 
 def check_options(options: RouterOptions) -> list[str]:
     """The backend URLs, checked; ValueError naming the flag otherwise."""
-    urls = [check_backend_url(url) for url in options.backends]
+    if bool(options.prefill) != bool(options.decode):
+        raise ValueError("--prefill and --decode go together: give at least one of each")
+    if options.prefill and options.backends:
+        raise ValueError("--backend is for the plain router; with --prefill / --decode "
+                         "give the engines there")
+    if not options.backends and not options.prefill:
+        raise ValueError("give --backend URL ..., or --prefill URL ... --decode URL ...")
+    urls = [check_backend_url(url)
+            for url in (*options.backends, *options.prefill, *options.decode)]
     duplicates = sorted({url for url in urls if urls.count(url) > 1})
     if duplicates:
         raise ValueError(f"--backend {duplicates[0]} is given twice: give each backend once")
@@ -167,14 +184,21 @@ def build_state(options: RouterOptions) -> Any:
         from kvserve.engine.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(options.tokenizer)
-    policy = policies.make_policy(options.policy, urls, options.balance_threshold,
-                                  options.max_prefix_entries, options.prefix_min_match)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
                                limits=httpx.Limits(max_connections=None,
                                                    max_keepalive_connections=256))
-    pool = BackendPool(urls, client, options.health_interval_s, DEFAULT_UNHEALTHY_AFTER,
-                       on_recovered=policy.forget)
-    return RouterState(pool, policy, PromptKeyer(tokenizer, options.block_size), client)
+
+    def state(group: list[str]) -> RouterState:
+        policy = policies.make_policy(options.policy, group, options.balance_threshold,
+                                      options.max_prefix_entries, options.prefix_min_match)
+        pool = BackendPool(group, client, options.health_interval_s, DEFAULT_UNHEALTHY_AFTER,
+                           on_recovered=policy.forget)
+        return RouterState(pool, policy, PromptKeyer(tokenizer, options.block_size), client)
+
+    if options.prefill:  # disaggregated: (prefill state, decode state)
+        num_prefill = len(options.prefill)
+        return state(urls[:num_prefill]), state(urls[num_prefill:])
+    return state(urls)
 
 
 async def check_backends(pool: BackendPool, timeout_s: float,
@@ -194,10 +218,12 @@ def run_router(options: RouterOptions,
     """Serve until SIGTERM / Ctrl-C; the exit status. ``startup_abort`` may
     end the wait for the backends with a reason (an OSError)."""
     from kvserve.router.app import build_app
+    from kvserve.router.disagg import build_disagg_app
 
     logging.getLogger("kvserve").setLevel(
         min(logging.getLogger("kvserve").getEffectiveLevel(), logging.INFO))
-    state = build_state(options)
+    built = build_state(options)
+    states = list(built) if isinstance(built, tuple) else [built]
     failure: list[BaseException] = []
 
     def abort() -> str | None:
@@ -205,17 +231,21 @@ def run_router(options: RouterOptions,
 
     async def on_start() -> None:
         try:
-            await check_backends(state.pool, options.startup_timeout_s, abort)
+            for state in states:
+                await check_backends(state.pool, options.startup_timeout_s, abort)
         except OSError as exc:
             failure.append(exc)
             raise
 
+    app = (build_disagg_app(states[0], states[1], on_start) if len(states) == 2
+           else build_app(states[0], on_start))
     server = RouterServer(uvicorn.Config(
-        build_app(state, on_start), host=options.host, port=options.port,
+        app, host=options.host, port=options.port,
         log_level=options.uvicorn_log_level, access_log=options.access_log,
         timeout_graceful_shutdown=max(int(options.shutdown_timeout_s), 1), lifespan="on"))
     logger.info("kvserve router: %s policy over %s on http://%s:%d", options.policy,
-                ", ".join(state.pool.by_url), options.host, options.port)
+                " then ".join(", ".join(state.pool.by_url) for state in states),
+                options.host, options.port)
     try:
         server.run()
     except SystemExit:  # uvicorn's exit after a failed start-up
@@ -230,7 +260,8 @@ def run_router(options: RouterOptions,
 
 def run_router_command(args: argparse.Namespace) -> int:
     options = RouterOptions(
-        backends=args.backend, host=args.host, port=args.port, tokenizer=args.tokenizer,
+        backends=args.backend, prefill=tuple(args.prefill), decode=tuple(args.decode),
+        host=args.host, port=args.port, tokenizer=args.tokenizer,
         startup_timeout_s=args.startup_timeout_s, shutdown_timeout_s=args.shutdown_timeout,
         uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_access_log,
         block_size=args.block_size, **options_from_args(args))

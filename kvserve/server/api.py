@@ -159,7 +159,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/openapi.json")
     async def openapi() -> Response:
-        return JSONResponse(openapi_document())
+        return JSONResponse(openapi_document(state.config.allow_runtime_lora_updating))
 
     @app.get("/version")
     async def version() -> Response:

@@ -184,6 +184,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvserve.assets import DEFAULT_MODEL
     from kvserve.engine.args import EngineArgs
+    from kvserve.engine.generation_config import describe
     from kvserve.server.api import build_app
     from kvserve.server.state import DrainingServer, ServerConfig, ServerState
 
@@ -197,6 +198,10 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.data_parallel_size < 1 or engine_config.parallel_config.nnodes > 1:
             raise ValueError(f"--data-parallel-size={args.data_parallel_size} is invalid: "
                              "must be >= 1, on one node")
+        if engine_config.kv_transfer_config.disaggregated:
+            raise ValueError("--kv-role prefill / decode is for one engine per server: start "
+                             "each with its own --kv-transfer-port and put kvserve router "
+                             "--prefill ... --decode ... in front")
         return run_data_parallel(args, getattr(args, "argv", sys.argv[1:]), engine_config)
     if engine_config.parallel_config.node_rank > 0:  # a worker node of a multi-node engine
         from kvserve.engine.engine_core import run_worker_node
@@ -256,6 +261,10 @@ def run_serve(args: argparse.Namespace) -> int:
     state.request_exit = server.request_exit
     logger.info("kvserve serve: %s on http://%s:%d (model %s)", config.model_name, args.host,
                 args.port, engine_config.model)
+    if engine_config.sampling_defaults:
+        logger.info("default sampling parameters from the model's generation config: %s "
+                    "(a request's own values win; --generation-config vllm ignores them)",
+                    describe(engine_config.sampling_defaults))
     server.run()
     if state.exit_code:
         # the engine thread may be stuck in a forward that never returns; the

@@ -12,29 +12,42 @@ adapter on its own thread, between two steps. Each loaded adapter gets a
 an unloaded adapter can never be reused by a new one. An adapter that does
 not fit is refused with 400 naming the problem, and other requests keep
 running; an adapter still used by unfinished requests is not unloaded (400).
+An engine that dies (or hangs past the watchdog) while a load or unload is
+queued answers it at once with 503 naming the failure. ``LoadLoRAAdapterRequest``
+and ``UnloadLoRAAdapterRequest`` validate the bodies (and describe them in
+the served OpenAPI document).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI
+from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
+from kvserve.engine.core_client import EngineDeadError
 from kvserve.lora.request import LoRARequest
-from kvserve.server.protocol import APIError, parse_json
+from kvserve.server.protocol import APIError, APIRequest
 from kvserve.server.serving import read_body
 from kvserve.server.state import ServerState
 
 
-def _field(body: Any, name: str) -> str:
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", "body")
-    value = body.get(name)
-    if not isinstance(value, str) or not value:
-        raise APIError(400, f"{name}={value!r} is invalid: must be a non-empty string", name)
-    return value
+class LoadLoRAAdapterRequest(APIRequest):
+    """``POST /v1/load_lora_adapter``: a PEFT adapter directory, served as ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(APIRequest):
+    """``POST /v1/unload_lora_adapter``: the adapter to forget."""
+
+    lora_name: str = Field(min_length=1)
+
+
+def _engine_failed(exc: EngineDeadError, name: str, doing: str) -> APIError:
+    return APIError(503, f"The lora adapter '{name}' was not {doing}: the engine failed "
+                    f"({exc})", "lora_name")
 
 
 def add_lora_routes(app: FastAPI, state: ServerState) -> None:
@@ -44,8 +57,8 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
-        body = parse_json(await read_body(request, limit))
-        name, path = _field(body, "lora_name"), _field(body, "lora_path")
+        body = LoadLoRAAdapterRequest.parse(await read_body(request, limit))
+        name, path = body.lora_name, body.lora_path
         if name in config.served_model_names or config.lora_request(name) is not None:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
                            "lora_name")
@@ -56,12 +69,14 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
             await client.add_lora(lora)
         except ValueError as exc:
             raise APIError(400, str(exc), "lora_path") from None
+        except EngineDeadError as exc:
+            raise _engine_failed(exc, name, "loaded") from None
         config.lora_requests.append(lora)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
-        name = _field(parse_json(await read_body(request, limit)), "lora_name")
+        name = UnloadLoRAAdapterRequest.parse(await read_body(request, limit)).lora_name
         lora = config.lora_request(name)
         if lora is None:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name",
@@ -74,4 +89,7 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
             config.lora_requests.append(lora)
             raise APIError(400, f"The lora adapter '{name}' cannot be unloaded now: {exc}",
                            "lora_name") from None
+        except EngineDeadError as exc:
+            config.lora_requests.append(lora)
+            raise _engine_failed(exc, name, "unloaded") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -88,6 +88,8 @@ class EngineStatsCollector(Collector):
             counters += HOST_TIER_COUNTERS
         if "spec_decode_num_drafts" in stats:
             counters += SPEC_DECODE_COUNTERS
+        if "kv_transfer_bytes_sent" in stats or "kv_transfer_bytes_received" in stats:
+            counters += KV_TRANSFER_COUNTERS
         for name, doc, key in counters:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], float(stats.get(key, 0)))
@@ -103,6 +105,20 @@ class EngineStatsCollector(Collector):
             yield counter
 
 
+KV_TRANSFER_COUNTERS = (  # disaggregated prefill / decode (--kv-role)
+    ("kv_transfer_bytes_sent", "KV bytes a prefill engine sent to decode engines.",
+     "kv_transfer_bytes_sent"),
+    ("kv_transfer_send_s", "Seconds a prefill engine spent sending KV.", "kv_transfer_send_s"),
+    ("kv_transfer_bytes_received", "KV bytes a decode engine received.",
+     "kv_transfer_bytes_received"),
+    ("kv_transfer_receive_s", "Seconds a decode engine spent receiving KV (pulls' data).",
+     "kv_transfer_receive_s"),
+    ("kv_transfer_pulled_requests", "Requests whose prompt KV a decode engine pulled.",
+     "kv_transfer_pulled_requests"),
+    ("kv_transfer_recomputed_requests",
+     "Requests a decode engine prefilled itself after a failed or impossible pull.",
+     "kv_transfer_recomputed_requests"),
+)
 HOST_TIER_GAUGES = (
     ("kv_host_blocks_total", "Blocks of the host KV tier.", "kv_host_blocks_total"),
     ("kv_host_blocks_used", "Blocks of the host KV tier holding KV.", "kv_host_blocks_used"),

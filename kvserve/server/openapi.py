@@ -7,8 +7,10 @@ dicts ``serving.py`` and ``api.py`` build (the e2e schemathesis run checks
 real responses against them). Streams are ``text/event-stream`` of
 ``data: <chunk JSON>`` frames, described by the chunk models. The document
 is built once, without the engine. It is OpenAPI 3.2, whose ``itemSchema``
-describes each server-sent event (3.1 has no way to). Nothing here handles
-a request.
+describes each server-sent event (3.1 has no way to). The adapter routes
+(``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) are in it only when
+the server has them (``--allow-runtime-lora-updating``). Nothing here
+handles a request.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from kvserve import __version__
+from kvserve.server.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -87,6 +90,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None  # streamed chunks: only on the last one, with include_usage
+    # a prefill engine's answer (--kv-role prefill): where a decode engine pulls the KV
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -150,6 +155,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None  # as CompletionResponse's
 
 
 class ChatDelta(BaseModel):
@@ -307,10 +313,38 @@ def _responses_paths() -> dict[str, Any]:
             "/v1/responses/{response_id}/input_items": {"get": items}}
 
 
+def _lora_paths() -> dict[str, Any]:
+    """The run-time adapter routes: a plain-text ``Success: ...`` line, or an error."""
+    def operation(summary: str, body: type[BaseModel], errors: dict[int, str]
+                  ) -> dict[str, Any]:
+        ok = {"description": "`Success: LoRA adapter '<name>' ...` (plain text)",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}
+        responses = {"200": ok, **{str(status): _json(ErrorResponse, text)
+                                   for status, text in errors.items()}}
+        return {"post": {"summary": summary, "responses": responses, "requestBody": {
+            "required": True, "content": {"application/json": {"schema": _ref(body)}}}}}
+
+    common = {401: _ERRORS[401], 413: _ERRORS[413],
+              503: "loading, draining, or the engine failed during the call"}
+    return {
+        "/v1/load_lora_adapter": operation(
+            "load a PEFT LoRA adapter, served under lora_name", LoadLoRAAdapterRequest,
+            {400: "invalid body, a name already served, or an adapter that does not fit "
+                  "(the message names the problem)", **common}),
+        "/v1/unload_lora_adapter": operation(
+            "forget a loaded adapter", UnloadLoRAAdapterRequest,
+            {400: "invalid body, or requests still use the adapter",
+             404: "no adapter of that name", **common}),
+    }
+
+
 @functools.cache
-def openapi_document() -> dict[str, Any]:
-    """The whole document (built once; the same for every server)."""
-    _, definitions = models_json_schema([(m, "validation") for m in _MODELS], ref_template=REF)
+def openapi_document(lora_updating: bool = False) -> dict[str, Any]:
+    """The whole document (built once per form); ``lora_updating``: with the
+    adapter routes (``--allow-runtime-lora-updating``)."""
+    models = [*_MODELS, *((LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
+                          if lora_updating else ())]
+    _, definitions = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     text = {"description": "", "content": {"text/plain": {"schema": {"type": "string"}}}}
     paths: dict[str, Any] = {
         "/v1/completions": _generation("text completion", CompletionRequest,
@@ -343,6 +377,7 @@ def openapi_document() -> dict[str, Any]:
         "/openapi.json": {"get": {"summary": "this document", "responses": {"200": {
             "description": "OpenAPI 3.2", "content": {"application/json": {
                 "schema": {"type": "object"}}}}, "401": _json(ErrorResponse, _ERRORS[401])}}},
+        **(_lora_paths() if lora_updating else {}),
     }
     return {
         "openapi": "3.2.0",

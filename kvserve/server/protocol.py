@@ -247,6 +247,9 @@ class SamplingRequest(APIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # disaggregated prefill / decode, vLLM's field: {"do_remote_decode": true} to a
+    # prefill engine; its answer (the response's kv_transfer_params) to a decode engine
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -330,8 +333,12 @@ class SamplingRequest(APIRequest):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens if self.max_tokens is not None else self.default_max_tokens
+    def requested_max_tokens(self, model_default: int | None = None) -> int | None:
+        """The request's max_tokens; unset: the model's default (its
+        generation_config), else the route's."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return model_default if model_default is not None else self.default_max_tokens
 
 
 class CompletionRequest(SamplingRequest):
@@ -388,10 +395,10 @@ class CompletionRequest(SamplingRequest):
         """True for ``max_tokens: 0`` with echo: score the prompt, generate nothing."""
         return self.echo and self.max_tokens == 0
 
-    def requested_max_tokens(self) -> int | None:
+    def requested_max_tokens(self, model_default: int | None = None) -> int | None:
         # echo only: the engine samples the one token that ends its prefill
         # (no extra forward), and the response leaves it out
-        return 1 if self.echo_only else super().requested_max_tokens()
+        return 1 if self.echo_only else super().requested_max_tokens(model_default)
 
 
 def _is_token_id(value: Any) -> bool:
@@ -535,10 +542,10 @@ class ChatCompletionRequest(SamplingRequest):
         """The tools as the chat template and the schema builder read them."""
         return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
 
-    def requested_max_tokens(self) -> int | None:
+    def requested_max_tokens(self, model_default: int | None = None) -> int | None:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
-        return self.max_tokens
+        return super().requested_max_tokens(model_default)
 
     @property
     def num_top_logprobs(self) -> int | None:

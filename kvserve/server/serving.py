@@ -324,12 +324,16 @@ def final_response(job: Job, outputs: dict[int, RequestOutput]) -> dict[str, Any
     choices.sort(key=lambda c: c["index"])
     num_generated = (0 if job.echo_only else
                      sum(len(c.token_ids) for o in outputs.values() for c in o.outputs))
-    return {
+    response = {
         "id": job.request_id, "object": "chat.completion" if job.chat else "text_completion",
         "created": job.created, "model": job.model, "choices": choices,
         "usage": usage_dict(sum(len(p.token_ids) for p in job.prompts), num_generated,
                             sum(o.num_cached_tokens for o in outputs.values())),
     }
+    kv_transfer = [o.kv_transfer_params for o in outputs.values() if o.kv_transfer_params]
+    if kv_transfer:  # a prefill engine's answer: where the decode engine pulls the KV
+        response["kv_transfer_params"] = kv_transfer[0] if len(kv_transfer) == 1 else kv_transfer
+    return response
 
 
 def _text_logprobs(job: Job, prompt: PromptInput, output: RequestOutput,
@@ -597,22 +601,29 @@ class OpenAIServing:
 
     def _sampling_params(self, body: SamplingRequest, top_logprobs: int | None,
                          prompt_param: str, prompt_logprobs: int | None) -> SamplingParams:
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
+        # the model's generation_config values stand in for unset fields
+        client = self.state.client
+        model = client.config.sampling_defaults if client is not None else {}
+
+        def pick(value: Any, name: str, default: Any) -> Any:
+            return model.get(name, default) if value is None else value
 
         try:
             return SamplingParams(
-                n=body.n, temperature=pick(body.temperature, 1.0), top_p=pick(body.top_p, 1.0),
-                top_k=pick(body.top_k, 0), min_p=pick(body.min_p, 0.0),
-                presence_penalty=pick(body.presence_penalty, 0.0),
-                frequency_penalty=pick(body.frequency_penalty, 0.0),
-                repetition_penalty=pick(body.repetition_penalty, 1.0), seed=body.seed,
-                stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                max_tokens=body.requested_max_tokens(), min_tokens=body.min_tokens,
+                n=body.n, temperature=pick(body.temperature, "temperature", 1.0),
+                top_p=pick(body.top_p, "top_p", 1.0), top_k=pick(body.top_k, "top_k", 0),
+                min_p=pick(body.min_p, "min_p", 0.0),
+                presence_penalty=pick(body.presence_penalty, "", 0.0),
+                frequency_penalty=pick(body.frequency_penalty, "", 0.0),
+                repetition_penalty=pick(body.repetition_penalty, "repetition_penalty", 1.0),
+                seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos,
+                max_tokens=body.requested_max_tokens(model.get("max_tokens")),
+                min_tokens=body.min_tokens,
                 logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                logit_bias=body.token_logit_bias,
+                logit_bias=body.token_logit_bias, kv_transfer_params=body.kv_transfer_params,
             )
         except ValueError as exc:
             raise _bad_request(exc, body, prompt_param) from None

@@ -1,5 +1,5 @@
 """CUDA graphs of whole steps: decode steps by batch size, prefill and mixed
-steps by token count.
+steps by token count, speculative verify steps by token count.
 
 A step launches a few hundred small kernels; replaying them as one graph
 removes the host's launch cost (a Triton launch costs the host 15-50 µs), which
@@ -23,6 +23,16 @@ take about as much memory as the largest.
   attention is the prefill kernel, whose grid depends on those two numbers
   only. They return hidden states; the runner computes logits for the
   sampled rows alone, as in an eager step.
+- Verify graphs (with speculative decoding) run the model for a verify step
+  laid out one query token per row (``worker/verify_layout.py``): ``size``
+  rows, each a decode of one token with its request's block table, gathered
+  on the device inside the graph from the step's request block table. A
+  step of ``t`` tokens (every request its last token and its proposals)
+  replays the smallest size ``>= t``; the extra rows are padding (a
+  zero-length query, slot -1). Attention is the split-K decode kernel, its
+  grid frozen as the decode graphs' (``max_seq_len = max_model_len``).
+  Like token graphs they return hidden states: the runner computes the
+  logits of the step's rows (all of them verify).
 
 With LoRA (the batched kernels of ``kernels/lora.py``) every graph runs
 each wrapped linear's shrink and expand, which read the step's
@@ -55,6 +65,7 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.lora.layers import LoRABatch
 from kvserve.models.registry import CausalLM
 from kvserve.worker.input_batch import StepBuffers
+from kvserve.worker.verify_layout import VerifyBuffers
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,6 +85,7 @@ class CudaGraphs:
         argmax: Callable[[torch.Tensor], torch.Tensor] | None,
         intermediate: torch.Tensor | None = None, collectives: bool = False,
         lora_batch: LoRABatch | None = None,
+        verify: VerifyBuffers | None = None, verify_sizes: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         # the LoRA kernels' step state, when the model's linears run them
@@ -97,6 +109,11 @@ class CudaGraphs:
         self.decode_hidden: dict[int, torch.Tensor] = {}  # size -> [size, hidden_size]
         self.token_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # size -> [size, hidden_size]
+        # the verify layout's buffers, and its graphs by row count
+        self.verify = verify
+        self.verify_sizes = sorted(verify_sizes) if verify is not None else []
+        self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.verify_hidden: dict[int, torch.Tensor] = {}  # size -> [size, hidden_size]
         self.pool_bytes = 0
 
     def decode_size(self, num_reqs: int) -> int | None:
@@ -106,6 +123,16 @@ class CudaGraphs:
     def token_size(self, num_tokens: int) -> int | None:
         """The captured size a step of ``num_tokens`` tokens replays, if any."""
         return _smallest_at_least(self.token_sizes, num_tokens)
+
+    def verify_size(self, num_tokens: int) -> int | None:
+        """The captured size a verify step of ``num_tokens`` tokens replays, if any."""
+        return _smallest_at_least(self.verify_sizes, num_tokens)
+
+    def verify_metadata(self, size: int) -> AttentionMetadata:
+        """A verify graph's metadata over the first ``size`` rows of the
+        verify buffers (their block table as the graph's gather left it)."""
+        assert self.verify is not None, "verify graphs need the verify buffers"
+        return self.verify.metadata(size, self.buffers.slot_mapping, self.max_model_len)
 
     def decode_metadata(self, size: int) -> AttentionMetadata:
         """Decode metadata over the first ``size`` rows of the buffers."""
@@ -155,6 +182,13 @@ class CudaGraphs:
         return self.model(b.input_ids[:size], b.positions[:size], self.token_metadata(size),
                           self._stage_input(size))
 
+    def _verify_forward(self, size: int) -> torch.Tensor:
+        b = self.buffers
+        assert self.verify is not None, "verify graphs need the verify buffers"
+        self.verify.gather(b.block_table, size)
+        return self.model(b.input_ids[:size], b.positions[:size], self.verify_metadata(size),
+                          self._stage_input(size))
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, into one shared pool.
@@ -162,7 +196,7 @@ class CudaGraphs:
         The buffers hold padding while capturing (zero-length queries, slot
         -1), so the warm-up and captured runs write no KV.
         """
-        if not self.decode_sizes and not self.token_sizes:
+        if not self.decode_sizes and not self.token_sizes and not self.verify_sizes:
             return
         b = self.buffers
         b.query_start_loc.zero_()
@@ -170,6 +204,8 @@ class CudaGraphs:
         b.slot_mapping.fill_(-1)
         b.input_ids.zero_()
         b.positions.zero_()
+        if self.verify is not None:
+            self.verify.zero()
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
@@ -177,6 +213,9 @@ class CudaGraphs:
         for size in reversed(self.token_sizes):
             self.token_graphs[size], self.hidden[size] = _capture(self._token_forward, size, pool,
                                                                   self.capture_mode)
+        for size in reversed(self.verify_sizes):
+            self.verify_graphs[size], self.verify_hidden[size] = _capture(
+                self._verify_forward, size, pool, self.capture_mode)
         for size in reversed(self.decode_sizes):
             graph, (logits, greedy_ids, hidden) = _capture(self._decode_forward_hidden, size,
                                                            pool, self.capture_mode)
@@ -186,9 +225,11 @@ class CudaGraphs:
         torch.cuda.synchronize()
         self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(
-            "CUDA graphs: %d decode sizes (%s), %d token sizes (%s) captured in %.1f s, %.2f GB",
+            "CUDA graphs: %d decode sizes (%s), %d token sizes (%s), %d verify sizes (%s) "
+            "captured in %.1f s, %.2f GB",
             len(self.decode_sizes), _span(self.decode_sizes), len(self.token_sizes),
-            _span(self.token_sizes), time.perf_counter() - start, self.pool_bytes / 1e9,
+            _span(self.token_sizes), len(self.verify_sizes), _span(self.verify_sizes),
+            time.perf_counter() - start, self.pool_bytes / 1e9,
         )
 
     def _set_lora_active(self, active: bool) -> None:
@@ -207,6 +248,12 @@ class CudaGraphs:
         """Run the token graph of ``size`` on the buffers' contents; its hidden states."""
         self.token_graphs[size].replay()
         return self.hidden[size]
+
+    def replay_verify(self, size: int) -> torch.Tensor:
+        """Run the verify graph of ``size`` on the buffers' contents (the step's
+        inputs and the verify rows); its hidden states."""
+        self.verify_graphs[size].replay()
+        return self.verify_hidden[size]
 
 
 def _capture(forward: Callable[[int], T], size: int, pool: Any,

@@ -22,8 +22,10 @@ step N's sampled tensor ("carried"). Requests with penalties or below
 ``min_tokens`` need their whole output on the host, so a step that would
 carry one of their tokens reads the previous step first. A speculative step
 (``SchedulerOutput.is_spec_step``) reads every step before it and runs
-through ``worker/spec_decode.py``; a proposer with its own network sees the
-tokens of every step (``SpecDecodeRunner.observe``).
+through ``worker/spec_decode.py``; one whose every request is its last
+token and its proposals is laid out one token per attention row
+(``worker/verify_layout.py``) and replays a verify graph; a proposer with
+its own network sees the tokens of every step (``SpecDecodeRunner.observe``).
 
 With tensor or pipeline parallelism (``distributed/``) one runner runs in
 each worker process on its rank's shard of the model, from the same
@@ -93,6 +95,7 @@ from kvserve.worker.kv_cache import (
 from kvserve.worker.kv_offload import KVOffloader, create_kv_offloader, staging_buffer_bytes
 from kvserve.worker.spec_decode import SpecDecodeRunner
 from kvserve.worker.structured_output import GrammarMatchers
+from kvserve.worker.verify_layout import VerifyBuffers, is_verify_step, verify_graph_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +133,10 @@ class StepInputs:
     decode_graph_size: int | None
     token_graph_size: int | None
     num_padding_tokens: int  # the graph's tokens beyond the step's
+    # a verify step laid out one token per row (worker/verify_layout.py): its
+    # verify graph's size, if it replays one
+    verify_layout: bool = False
+    verify_graph_size: int | None = None
 
 
 class PendingStep:
@@ -276,6 +283,16 @@ class ModelRunner:
         # loads a draft model or EAGLE head, if the method has one
         self.spec = (SpecDecodeRunner.create(self, speculative_config, draft_path, load_format)
                      if speculative_config is not None else None)
+        # a verify step's one-token-per-row buffers, and the sizes of its graphs
+        self.verify: VerifyBuffers | None = None
+        self.verify_graph_sizes: tuple[int, ...] = ()
+        if speculative_config is not None:
+            rows = 1 + speculative_config.num_speculative_tokens
+            self.verify_graph_sizes = verify_graph_sizes(self.cuda_graph_sizes, rows,
+                                                         max_num_tokens)
+            self.verify = VerifyBuffers(
+                min(max_num_tokens, max(max_num_reqs * rows, *self.verify_graph_sizes, 1)),
+                max_blocks_per_req, device)
 
     @classmethod
     def create(
@@ -347,13 +364,18 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.bind_kv_cache(self.num_kv_blocks + 1)
         if cache.kv_offload_gb:  # the host tier, over every tensor at the pool's block ids
-            proposer = self.spec.device_proposer if self.spec is not None else None
-            tensors = self.kv_caches + (proposer.kv_caches if proposer is not None else [])
-            if kv_dtype == torch.int8:  # its scales are per token: they travel with the block
-                tensors += self.kv_scales or []
-            self.kv_offloader = create_kv_offloader([(t, 1) for t in tensors], cache.kv_offload_gb,
+            self.kv_offloader = create_kv_offloader(self.kv_pool_tensors(), cache.kv_offload_gb,
                                                     self.parallel, self.device, max_step_blocks)
             self.num_host_kv_blocks = len(self.kv_offloader.host)
+
+    def kv_pool_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor at the pool's block ids, with its block dim: what a
+        block's KV is, for copies to the host tier or to another engine."""
+        proposer = self.spec.device_proposer if self.spec is not None else None
+        tensors = self.kv_caches + (proposer.kv_caches if proposer is not None else [])
+        if self.kv_cache_dtype == torch.int8:  # its scales are per token: they go with the block
+            tensors += self.kv_scales or []
+        return [(t, 1) for t in tensors]
 
     def kv_transfer_stats(self) -> dict[str, float]:
         """The host tier's bytes copied each way and copy times (none when off)."""
@@ -384,6 +406,11 @@ class ModelRunner:
         """Forget an adapter (False: unknown); no unfinished request may use it."""
         return self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
 
+    def prefetch_loras(self, lora_int_ids: list[int]) -> set[int]:
+        """The adapters a step could not use yet (being read again from disk,
+        off the step loop); see ``LoRAManager.prefetch``."""
+        return self.lora_manager.prefetch(lora_int_ids) if self.lora_manager is not None else set()
+
     def capture_cuda_graphs(self) -> None:
         if not self.cuda_graph_sizes and not self.cuda_graph_token_sizes:
             return
@@ -392,7 +419,8 @@ class ModelRunner:
                                  self.sampler.argmax if self.samples else None,
                                  self.intermediate, collectives=self.parallel.tp.size > 1,
                                  lora_batch=(self.lora_manager.batch
-                                             if self.lora_manager is not None else None))
+                                             if self.lora_manager is not None else None),
+                                 verify=self.verify, verify_sizes=self.verify_graph_sizes)
         self.graphs.capture()
         if self.spec is not None:
             self.spec.capture_graphs()
@@ -564,18 +592,27 @@ class ModelRunner:
         lora_int_ids = None
         if self.lora_manager is not None:
             lora_int_ids = [states[r].lora_int_id for r in request_ids]
-        decode_size = token_size = None
+        decode_size = token_size = verify_size = None
         padded_num_reqs, padded_num_tokens = num_reqs, int(num_scheduled.sum())
+        # a pure verify step (every request its last token and its proposals,
+        # some proposals): one token per attention row, worker/verify_layout.py
+        verify = (num_spec is not None and self.verify is not None
+                  and is_verify_step(num_spec, num_scheduled, ends, batch.num_tokens[rows]))
         # with the torch LoRA path, graphs hold the base model only: a step with
         # an adapter runs eagerly; the kernels read their indices from fixed buffers
         lora_eager = (self.lora_manager is not None and not self.lora_manager.batch.use_kernels
                       and any(lora_int_ids or ()))
         if self.graphs is not None and not lora_eager:
-            if int(num_scheduled.max()) == 1 and not self._prompt_logprobs:
+            # a verify step too large for the verify graphs replays a token graph
+            verify_size = self.graphs.verify_size(padded_num_tokens) if verify else None
+            verify = verify_size is not None
+            if verify_size is not None:
+                padded_num_tokens = verify_size
+            elif int(num_scheduled.max()) == 1 and not self._prompt_logprobs:
                 decode_size = self.graphs.decode_size(num_reqs)
             if decode_size is not None:
                 padded_num_reqs = padded_num_tokens = decode_size
-            else:
+            elif verify_size is None:
                 token_size = self.graphs.token_size(padded_num_tokens)
                 if token_size is not None:
                     padded_num_reqs, padded_num_tokens = self.buffers.max_num_reqs, token_size
@@ -586,8 +623,20 @@ class ModelRunner:
             assert self._last_sampled is not None
             dst, src = b.carry[0, :host.num_carried], b.carry[1, :host.num_carried]
             b.input_ids[dst] = self._last_sampled[0][src]
+        verify_host = None
+        if verify:
+            assert self.verify is not None
+            verify_host = self.verify.fill(b.positions_cpu[:host.num_tokens].numpy(),
+                                           num_scheduled, padded_num_tokens)
         metadata = input_ids = positions = None
-        if decode_size is None and token_size is None:  # eager
+        if decode_size is None and token_size is None and verify_size is None:  # eager
+            input_ids, positions = b.input_ids[: host.num_tokens], b.positions[: host.num_tokens]
+        if input_ids is not None and verify:
+            assert self.verify is not None
+            self.verify.gather(b.block_table, host.num_tokens)
+            metadata = self.verify.metadata(host.num_tokens, b.slot_mapping, host.max_seq_len,
+                                            verify_host)
+        elif input_ids is not None:
             metadata = AttentionMetadata(
                 num_reqs=num_reqs,
                 num_tokens=host.num_tokens,
@@ -600,7 +649,6 @@ class ModelRunner:
                 query_start_loc_cpu=host.query_start_loc.tolist(),
                 seq_lens_cpu=host.seq_lens.tolist(),
             )
-            input_ids, positions = b.input_ids[: host.num_tokens], b.positions[: host.num_tokens]
         return StepInputs(
             request_ids=request_ids,
             rows=rows,
@@ -615,6 +663,8 @@ class ModelRunner:
             decode_graph_size=decode_size,
             token_graph_size=token_size,
             num_padding_tokens=padded_num_tokens - host.num_tokens,
+            verify_layout=verify,
+            verify_graph_size=verify_size,
         )
 
     def _sampling_batch(self, inputs: StepInputs, sample_rows: np.ndarray) -> SamplingBatch:
@@ -729,8 +779,9 @@ class ModelRunner:
         """Run the step's forward (LoRA's batch set first, the previous
         pipeline stage's output received): its rows' hidden states, and for a
         decode graph on the last stage its logits and greedy ids."""
-        num_rows = inputs.decode_graph_size or inputs.token_graph_size or (
-            0 if inputs.input_ids is None else len(inputs.input_ids))
+        num_rows = (inputs.decode_graph_size or inputs.token_graph_size
+                    or inputs.verify_graph_size
+                    or (0 if inputs.input_ids is None else len(inputs.input_ids)))
         if self.lora_manager is not None and inputs.lora_int_ids is not None:
             self.lora_manager.set_batch(inputs.lora_int_ids, inputs.num_scheduled.tolist(),
                                         num_rows)
@@ -742,6 +793,8 @@ class ModelRunner:
             return self.graphs.decode_hidden.get(inputs.decode_graph_size), (logits, greedy_ids)
         if inputs.token_graph_size is not None and self.graphs is not None:
             return self.graphs.replay_tokens(inputs.token_graph_size), None
+        if inputs.verify_graph_size is not None and self.graphs is not None:
+            return self.graphs.replay_verify(inputs.verify_graph_size), None
         assert inputs.input_ids is not None and inputs.positions is not None
         assert inputs.metadata is not None, "an eager step has its metadata"
         return self.model(inputs.input_ids, inputs.positions, inputs.metadata, intermediate), None

@@ -14,7 +14,9 @@ log each rank's figures.
 
 Each step: pickle the plain-data ``SchedulerOutput`` once and send it to
 every rank; only the output rank (TP rank 0 of the last pipeline stage)
-answers, so ``get`` reads its connection. The engine process runs no
+answers, so ``get`` reads its connection (and, for a step that copies KV
+blocks to or from the host tier, every rank's copy counters, which
+``kv_transfer_stats`` adds up). The engine process runs no
 collective itself, so a dead or hung worker can never block it: while it
 waits it watches every connection and every local process, and a rank that
 dies, reports an error or stays silent past ``distributed_timeout_s`` fails
@@ -89,6 +91,10 @@ class MultiprocExecutor:
         self._call_ids = itertools.count()
         self._outputs: dict[int, ModelRunnerOutput] = {}
         self._replies: dict[int, dict[int, str | None]] = {}
+        # host KV tier: each rank's last copy counters, and the steps with
+        # copies whose counters some ranks have not sent yet (step -> ranks left)
+        self._kv_stats: dict[int, dict[str, float]] = {}
+        self._kv_stats_owed: dict[int, int] = {}
         # tokens the last stage sampled that the earlier stages have not been sent
         self._known_tokens: dict[str, list[int]] = {}
         self.conns: list[Connection] = []
@@ -112,6 +118,8 @@ class MultiprocExecutor:
             raise
         self.num_kv_blocks = int(self.figures[0]["num_kv_blocks"])
         self.num_host_kv_blocks = int(self.figures[0]["num_host_kv_blocks"])
+        self._kv_stats = {f["rank"]: f["kv_transfer_stats"] for f in self.figures
+                          if f["kv_transfer_stats"]}
         for f in self.figures:
             logger.info("rank %d (TP rank %d, stage %d, pid %d) on %s: weights %.2f GB, profiled "
                         "step %.2f GB, KV %.2f GB for %d layers x %d KV heads, %d blocks, ready "
@@ -184,6 +192,8 @@ class MultiprocExecutor:
         answered by no one and returns a finished output at once."""
         known, self._known_tokens = self._known_tokens, {}
         step_id = next(self._step_ids)
+        if scheduler_output.kv_offloads or scheduler_output.kv_onloads:
+            self._kv_stats_owed[step_id] = self.layout.world_size
         self._broadcast(("step", step_id, scheduler_output, known or None))
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
@@ -191,7 +201,8 @@ class MultiprocExecutor:
 
     def output_of(self, step_id: int) -> ModelRunnerOutput:
         """The output of step ``step_id``, waiting for it."""
-        while step_id not in self._outputs:
+        while step_id not in self._outputs or (self._kv_stats_owed
+                                               and min(self._kv_stats_owed) <= step_id):
             self._dispatch(self._receive(deadline=time.monotonic() + self.timeout_s))
         output = self._outputs.pop(step_id)
         if self.layout.pp_size > 1:  # the earlier stages learn them with the next step
@@ -220,6 +231,17 @@ class MultiprocExecutor:
         replies = self._replies.pop(call_id)
         return replies[min(replies)] is None
 
+    def kv_transfer_stats(self) -> dict[str, float]:
+        """The host tier's copies over all ranks, as of the last step read:
+        bytes added up (each rank moves its own shard of a block), copy times
+        the slowest rank's (the ranks copy at the same time). Safe to call
+        from another thread than the one that steps."""
+        per_rank = list(self._kv_stats.values())
+        if not per_rank:
+            return {}
+        return {key: (max if key.endswith("_s") else sum)(stats[key] for stats in per_rank)
+                for key in per_rank[0]}
+
     def _broadcast(self, message: tuple[Any, ...]) -> None:
         self._raise_if_failed()
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -235,6 +257,12 @@ class MultiprocExecutor:
                 self._outputs[message[1]] = message[2]
             elif message[0] == "reply":
                 self._replies[message[1]][rank] = message[3]
+            elif message[0] == "kv_stats":
+                _, step_id, _, stats = message
+                self._kv_stats[rank] = stats
+                self._kv_stats_owed[step_id] -= 1
+                if not self._kv_stats_owed[step_id]:
+                    del self._kv_stats_owed[step_id]
             else:
                 self._fail(f"rank {rank} sent an unexpected {message[0]!r} message")
 

@@ -154,7 +154,11 @@ class SpecDecodeRunner:
         row_start = np.cumsum(counts) - counts
         flat = np.repeat(first - row_start, counts) + np.arange(int(counts.sum()))
         sampling = self._verify_batch(sample_rows, request_ids, n, out)
-        # the proposals and row indices, in one host-to-device copy
+        start = runner._mark()
+        hidden, decode_out = runner._forward(inputs)
+        batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
+        # the proposals and row indices, in one host-to-device copy, prepared
+        # while the device runs the forward (a pinned copy queued behind it)
         num_reqs, max_n = len(request_ids), int(n.max(initial=0))
         drafts = np.zeros((num_reqs, max_n), dtype=np.int64)
         forced = np.zeros((num_reqs, max_n), dtype=np.int64) if self.config.forced_acceptance \
@@ -172,14 +176,13 @@ class SpecDecodeRunner:
         drafts_end = 3 * num_reqs + len(flat) + drafts.size
         draft_ids = packed[3 * num_reqs + len(flat):drafts_end].view(num_reqs, max_n)
         forced_t = packed[drafts_end:].view(len(forced), max_n).bool() if len(forced) else None
-        start = runner._mark()
-        hidden, decode_out = runner._forward(inputs)
-        batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
         if decode_out is not None:
             logits = decode_out[0][flat_t]
         else:
             assert hidden is not None, "a step without a decode graph has its hidden states"
-            logits = runner.model.compute_logits(hidden[flat_t])
+            # a verify layout's rows are all verified, in order: no gather
+            logits = runner.model.compute_logits(hidden[:len(flat)] if inputs.verify_layout
+                                                 else hidden[flat_t])
         tokens, accepted_counts = self._verify(logits, sampling, sample_rows, draft_ids, small,
                                                forced_t)
         proposer_start = proposer_end = None
@@ -203,7 +206,8 @@ class SpecDecodeRunner:
                            batch.sampling.num_logprobs[sample_rows], host, start, runner._mark(),
                            runner._read_oldest_step,
                            inputs.decode_graph_size is not None
-                           or inputs.token_graph_size is not None,
+                           or inputs.token_graph_size is not None
+                           or inputs.verify_graph_size is not None,
                            inputs.num_padding_tokens,
                            lambda pending, output: self._read(pending, output, record))
         runner._unread.append(step)
@@ -311,16 +315,19 @@ class SpecDecodeRunner:
         inside = ends < batch.num_tokens[inputs.rows]
         next_ids[inside] = batch.token_ids[inputs.rows[inside], ends[inside]]
         accepted = counts - 1
+        # one row per request (a verify step's metadata has one per token)
+        block_table = (self.runner.buffers.block_table[:len(inputs.rows)] if metadata.verify
+                       else metadata.block_table)
         return ProposerStep(
             input_ids=input_ids, positions=positions, metadata=metadata, hidden=hidden,
             query_end=np.cumsum(inputs.num_scheduled), next_token_ids=next_ids,
             sample_indices=inputs.sample_indices, last_index=first + accepted,
             bonus_ids=tokens.gather(1, accepted.unsqueeze(1)).squeeze(1),
-            block_table=metadata.block_table, num_draft=num_draft)
+            block_table=block_table, num_draft=num_draft)
 
     def _step_rows(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """The target step's input ids, positions and metadata (a graph's
-        over the whole padded buffers)."""
+        over the whole padded buffers; a verify step's one token per row)."""
         runner = self.runner
         if inputs.metadata is not None:
             assert inputs.input_ids is not None and inputs.positions is not None
@@ -330,6 +337,9 @@ class SpecDecodeRunner:
         if inputs.decode_graph_size is not None:
             size = inputs.decode_graph_size
             return b.input_ids[:size], b.positions[:size], runner.graphs.decode_metadata(size)
+        if inputs.verify_graph_size is not None:
+            size = inputs.verify_graph_size
+            return b.input_ids[:size], b.positions[:size], runner.graphs.verify_metadata(size)
         assert inputs.token_graph_size is not None
         size = inputs.token_graph_size
         return b.input_ids[:size], b.positions[:size], runner.graphs.token_metadata(size)

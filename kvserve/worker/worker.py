@@ -17,6 +17,9 @@ with its start-up figures. Then it serves messages, plain pickled tuples:
 - worker -> engine: ``("hello", rank, fingerprint)``, ``("ready", rank,
   figures)``, ``("startup_error", rank, error type, message)``,
   ``("output", step_id, ModelRunnerOutput)`` (the output rank only),
+  ``("kv_stats", step_id, rank, stats)`` (every rank, after queuing a step
+  that copies KV blocks to or from the host tier: its cumulative bytes and
+  copy times),
   ``("reply", call_id, rank, error or None)``, ``("error", rank, traceback)``.
 
 Steps run asynchronously: a worker queues step N+1 as soon as it arrives and
@@ -229,6 +232,7 @@ class Worker:
             "peak_step_gb": runner.reserved_bytes / 1e9,
             "num_layers": runner.kv_spec.num_layers, "num_kv_heads": runner.kv_spec.num_kv_heads,
             "startup_s": time.perf_counter() - start,
+            "kv_transfer_stats": runner.kv_transfer_stats(),
         }
         return cls(args.rank, runner, parallel, figures)
 
@@ -253,6 +257,9 @@ class Worker:
             if kind == "step":
                 _, step_id, scheduler_output, known_tokens = message
                 pending = self._step(scheduler_output, known_tokens)
+                if scheduler_output.kv_offloads or scheduler_output.kv_onloads:
+                    conn.send(("kv_stats", step_id, self.rank,
+                               self.runner.kv_transfer_stats()))
                 if isinstance(pending, PendingStep):
                     steps.append((step_id, pending))
                     if watcher is not None:

@@ -52,7 +52,7 @@ def configs(tmp_path: Path) -> dict[str, dict[str, Any]]:
 
 
 def run(prompts: list[str], enforce_eager: bool, spec: dict[str, Any] | None,
-        passes: int = 1) -> tuple[list[list[int]], LLM]:
+        passes: int = 1, k: int = 4, spy: bool = False) -> tuple[list[list[int]], LLM]:
     # bf16 at batch 1; a batch of 8 in float32: in bf16 the verify step's rows
     # round differently from a plain step of another batch composition, and a
     # near-tie of the bundled model flipped one greedy token of 768 (H100)
@@ -60,12 +60,94 @@ def run(prompts: list[str], enforce_eager: bool, spec: dict[str, Any] | None,
     kwargs: dict[str, Any] = {"dtype": dtype, "device": "cuda", "max_num_seqs": 8,
                               "enforce_eager": enforce_eager}
     if spec is not None:
-        kwargs["speculative_config"] = {**spec, "num_speculative_tokens": 4,
+        kwargs["speculative_config"] = {**spec, "num_speculative_tokens": k,
                                         "auto_disable": False}
     llm = LLM(**kwargs)
+    if spy:
+        spy_on_verify_steps(llm)
     for _ in range(passes):  # the oracle records in the first pass
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs], llm
+
+
+def spy_on_verify_steps(llm: LLM) -> None:
+    """Count, on the runner, the verify steps laid out one token per row
+    (``verify_steps``) and the verify graph replays (``verify_replays``)."""
+    engine: Any = llm.engine
+    runner = engine.core.executor
+    runner.verify_steps = runner.verify_replays = 0
+    fill = runner.verify.fill
+
+    def counted_fill(*args: Any) -> Any:
+        runner.verify_steps += 1
+        return fill(*args)
+
+    runner.verify.fill = counted_fill
+    if runner.graphs is not None:
+        replay = runner.graphs.replay_verify
+
+        def counted_replay(size: int) -> Any:
+            runner.verify_replays += 1
+            return replay(size)
+
+        runner.graphs.replay_verify = counted_replay
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_verify_graphs_greedy_identical_to_eager_and_plain(batch: int, k: int) -> None:
+    """Verify steps through the verify CUDA graphs (one token per row, the
+    decode kernel) against the same steps eagerly and against plain decoding:
+    the same greedy tokens; every verify step of the graphed run replayed a
+    verify graph of size (batch size padded) x (1 + k)."""
+    prompts = PROMPTS[:batch]
+    spec = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    expected, _ = run(prompts, False, None)
+    graphed, llm = run(prompts, False, spec, k=k, spy=True)
+    engine: Any = llm.engine
+    runner = engine.core.executor
+    assert runner.graphs.verify_sizes == sorted(
+        size * (1 + k) for size in runner.cuda_graph_sizes if size <= 64)
+    assert runner.verify_steps > 10
+    assert runner.verify_replays == runner.verify_steps
+    assert graphed == expected
+    eager, llm = run(prompts, True, spec, k=k, spy=True)
+    engine = llm.engine
+    runner = engine.core.executor
+    assert runner.graphs is None and runner.verify_steps > 10
+    assert eager == expected
+
+
+def test_verify_layout_on_cuda_writes_every_row_before_attending() -> None:
+    """The Triton backend on a verify step laid out one token per row, given
+    the fused rotary: on the GPU its programs run at once, so a decode kernel
+    that wrote each row's KV itself would leave the rows after it reading the
+    poisoned (NaN) slots. Against the torch reference on the per-request layout."""
+    from kvserve.attention.backend import FusedRope, get_attention_backend
+    from kvserve.layers.rotary import RotaryEmbedding
+    from tests.attention_cases import make_case, verify_layout
+
+    case = make_case([5, 3, 1, 4, 7], [300, 70, 21, 5, 1030], 32, 8, 128, 16, torch.bfloat16,
+                     device="cuda")
+    cache = case.kv_cache.clone()
+    _, num_blocks, block_size, heads, dim = cache.shape
+    cache.view(2, num_blocks * block_size, heads, dim)[:, case.metadata.slot_mapping] = (
+        float("nan"))
+    ref_cache = cache.clone()
+    metadata, positions = verify_layout(case, 4)
+    num_tokens = case.metadata.num_tokens
+    rope = RotaryEmbedding(128, 2048, {}).to("cuda")
+    pad = torch.zeros((4, *case.q.shape[1:]), dtype=case.q.dtype, device="cuda")
+    q, k, v = (torch.cat([t, pad[:, :t.shape[1]]]) for t in (case.q, case.k, case.v))
+    out = get_attention_backend("triton").forward(
+        q.clone(), k, v, cache, metadata, 0.1, None,
+        FusedRope(positions, rope.cos_sin_cache, 128))[:num_tokens]
+    ref_q, ref_k = rope(positions[:num_tokens], case.q, case.k)
+    ref = get_attention_backend("torch").forward(ref_q, ref_k, case.v, ref_cache, case.metadata,
+                                                 0.1, None)
+    assert not out.isnan().any()
+    error = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert error < 1e-2, f"relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "oracle"])

@@ -7,10 +7,14 @@ adapter in /metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -18,7 +22,10 @@ from kvserve.config import LoRAConfig
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.client import ThreadedEngineClient
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.envs import FaultInjection
 from kvserve.lora import LoRARequest
+from kvserve.server.api import build_app
+from kvserve.server.faults import inject_faults
 from kvserve.server.state import ServerConfig, ServerState
 from tests.conftest import make_lora_adapter
 from tests.unit.test_lora import BLOCK_SIZE, COMPLETION, PROMPTS, _offline_text, call, token_ids
@@ -64,6 +71,49 @@ def test_evicted_and_reloaded_adapters_give_the_same_tokens(
     assert together == [expected[lora.lora_int_id] for lora in loras]
 
 
+def test_an_adapter_read_again_from_disk_does_not_block_the_steps(
+        adapters: tuple[Path, list[LoRARequest]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter the host cache dropped is read on the loader thread: while
+    the (slow) read runs, another request keeps getting a token each step and
+    the adapter's request waits; once it lands the request gets its tokens."""
+    base, loras = adapters
+    roomy = LLM(model=str(base), enable_lora=True, max_loras=1, block_size=BLOCK_SIZE,
+                num_kv_blocks=128, enable_prefix_caching=False)
+    expected = token_ids(roomy, [PROMPTS[1]], loras[0], GREEDY_8)[0]
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(base), enable_lora=True, max_loras=1, max_cpu_loras=1, block_size=BLOCK_SIZE,
+        num_kv_blocks=128, enable_prefix_caching=False))
+    manager = engine.core.executor.lora_manager  # type: ignore[attr-defined]
+    engine.add_lora(loras[0])
+    engine.add_lora(loras[1])  # the host cache keeps this one only
+    assert list(manager.host) == [loras[1].lora_int_id]
+    started, disk_ready = threading.Event(), threading.Event()
+    read = manager._read
+
+    def slow_read(request: LoRARequest) -> object:
+        started.set()
+        assert disk_ready.wait(10)
+        return read(request)
+
+    monkeypatch.setattr(manager, "_read", slow_read)
+    other = engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40,
+                                                          ignore_eos=True))
+    waiting = engine.add_request(PROMPTS[1], GREEDY_8, lora_request=loras[0])
+    produced: dict[str, list[int]] = {other: [], waiting: []}
+    for _ in range(5):
+        start = time.perf_counter()
+        for output in engine.step():
+            produced[output.request_id] = output.outputs[0].token_ids
+        assert time.perf_counter() - start < 5  # no step waits for the disk
+    assert started.is_set() and len(produced[other]) == 5 and produced[waiting] == []
+    disk_ready.set()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            produced[output.request_id] = output.outputs[0].token_ids
+    assert produced[waiting] == expected
+    assert manager.num_blocking_reads == 0
+
+
 def test_remove_lora_frees_the_adapter_and_retires_its_id(
         adapters: tuple[Path, list[LoRARequest]]) -> None:
     base, loras = adapters
@@ -94,11 +144,13 @@ class Server:
     loras: list[LoRARequest]
 
 
-def _server(base: Path, loras: list[LoRARequest], allow: bool, api_keys: list[str]
+def _server(base: Path, loras: list[LoRARequest], allow: bool, api_keys: list[str],
+            faults: FaultInjection | None = None
             ) -> tuple[ServerState, ThreadedEngineClient, LLMEngine]:
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(base), enable_lora=True,
                                                    max_loras=2, max_num_seqs=4,
                                                    num_kv_blocks=64, max_lora_rank=8))
+    inject_faults(engine.core.executor, faults or FaultInjection())
     client = ThreadedEngineClient(engine)
     config = ServerConfig(["tiny"], lora_requests=list(loras), api_keys=api_keys,
                           allow_runtime_lora_updating=allow)
@@ -185,6 +237,40 @@ def test_runtime_loading_is_off_unless_enabled_and_needs_the_api_key(
                      headers={"Authorization": "Bearer secret"})[0] == 200
     finally:
         client.shutdown()
+
+
+@pytest.mark.parametrize("route", ["load", "unload"])
+def test_adapter_calls_queued_when_the_engine_dies_fail_at_once(
+        adapters: tuple[Path, list[LoRARequest]], route: str) -> None:
+    """A load or unload queued behind a step that raises gets a 503 naming the
+    failure (it used to wait forever: the dead loop never ran it)."""
+    base, loras = adapters
+    state, client, _ = _server(base, [], allow=True, api_keys=[],
+                               faults=FaultInjection(raise_on_step=1, step_delay_s=1.0))
+    if route == "unload":
+        state.config.lora_requests.append(loras[0])
+    body = ({"lora_name": "late", "lora_path": loras[1].lora_path} if route == "load"
+            else {"lora_name": loras[0].lora_name})
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=build_app(state), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvserve") as http:
+            completion = asyncio.create_task(http.post("/v1/completions", json=COMPLETION))
+            while client.engine.core.num_steps == 0 and not client.engine.has_unfinished_requests():
+                await asyncio.sleep(0.01)  # the first (slow, then failing) step is under way
+            response = await http.post(f"/v1/{route}_lora_adapter", json=body, timeout=30)
+            assert (await completion).status_code == 500
+            return response
+
+    try:
+        response = asyncio.run(asyncio.wait_for(go(), 20))
+    finally:
+        client.shutdown(timeout_s=1)
+    assert response.status_code == 503
+    message = response.json()["error"]["message"]
+    assert "the engine failed" in message and "injected fault: forward 1 raised" in message
+    assert [lora.lora_name for lora in state.config.lora_requests] == (
+        [] if route == "load" else [loras[0].lora_name])
 
 
 # ------------------------------------------------------------ benchmark

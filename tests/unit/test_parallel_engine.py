@@ -112,6 +112,13 @@ def check_split_engine(path: Path, tp: int, pp: int, expected: list[list[int]],
     pytest.param("qwen3", 2, 2, marks=pytest.mark.slow),  # q/k norm, 3 layers over 2 stages
     pytest.param("llama_mha", 4, 1, marks=pytest.mark.slow),  # 4 processes, 1 KV head each
     pytest.param("llama", 4, 1, marks=pytest.mark.slow),  # 2 KV heads over 4 ranks
+    # more than two ranks a dimension (issue 26): stages between the first and the
+    # last; 8 processes as the 70B's TP=4 x PP=2 and TP=8 (2 KV heads, each held by
+    # 2 and 4 ranks); replicated KV heads in a pipeline
+    pytest.param("llama_wide", 1, 4, marks=pytest.mark.slow),
+    pytest.param("llama_wide", 4, 2, marks=pytest.mark.slow),
+    pytest.param("llama_wide", 8, 1, marks=pytest.mark.slow),
+    pytest.param("llama_mqa", 2, 2, marks=pytest.mark.slow),
 ])
 def test_split_engine_gives_one_process_tokens(
     variant: str, tp: int, pp: int, tiny_checkpoint: Callable[[str], Path],
@@ -140,8 +147,9 @@ def test_quantised_weights_split_like_one_process(
     check_split_engine(path, 2, 1, token_ids(one), started, quantization=quantization)
 
 
-def test_fp8_linears_split_near_one_process(
-    tiny_checkpoint: Callable[[str], Path], started: list[LLM]
+@pytest.mark.parametrize("quantization", ["fp8", pytest.param("w8a8-int8", marks=pytest.mark.slow)])
+def test_w8a8_linears_split_near_one_process(
+    quantization: str, tiny_checkpoint: Callable[[str], Path], started: list[LLM]
 ) -> None:
     """A row-parallel linear quantises each rank's slice of the activations
     with its own per-token scale (as vLLM does), so the split's logits are
@@ -150,9 +158,9 @@ def test_fp8_linears_split_near_one_process(
     candidates lie ~0.05 apart; a wrongly sharded weight lands far off)."""
     path = tiny_checkpoint("llama")
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20, ignore_eos=True)
-    one = LLM(model=str(path), device="cpu", block_size=4, quantization="fp8").generate(
+    one = LLM(model=str(path), device="cpu", block_size=4, quantization=quantization).generate(
         PROMPTS, params, use_tqdm=False)
-    llm = parallel_llm(path, 2, 1, **STRESS, quantization="fp8")
+    llm = parallel_llm(path, 2, 1, **STRESS, quantization=quantization)
     started.append(llm)
     for single, split in zip(one, llm.generate(PROMPTS, params, use_tqdm=False), strict=True):
         assert single.outputs[0].logprobs is not None
@@ -283,3 +291,24 @@ def test_two_nodes_on_one_machine(
         if node1.poll() is None:
             os.killpg(node1.pid, signal.SIGKILL)
             node1.wait(10)
+
+
+def test_host_kv_tier_copies_are_reported_over_every_rank(
+        tiny_checkpoint: Callable[[str], Path], started: list[LLM]) -> None:
+    """TP=2 with the host KV tier: the ranks' bytes add up to one process's
+    (each moves its half of every block), and copy times are reported."""
+    from tests.unit.test_kv_offload import PROMPTS as TURNS
+    from tests.unit.test_kv_offload import TINY_POOL, generate_each
+
+    path = tiny_checkpoint("llama")
+    options = {**TINY_POOL, "kv_offload_gb": 0.001, "async_scheduling": False}
+    one = LLM(model=str(path), device="cpu", **options)
+    expected = generate_each(one, TURNS)
+    llm = parallel_llm(path, 2, 1, **options)
+    started.append(llm)
+    assert generate_each(llm, TURNS) == expected
+    stats, reference = llm.stats(), one.stats()
+    keys = ("kv_host_block_bytes", "kv_host_bytes_to_host", "kv_host_bytes_to_device")
+    assert reference["kv_host_bytes_to_device"] > 0
+    assert {key: stats[key] for key in keys} == {key: reference[key] for key in keys}
+    assert stats["kv_host_copy_to_host_s"] > 0 and stats["kv_host_copy_to_device_s"] > 0

@@ -13,6 +13,7 @@ import torch
 
 from kvserve.config import ParallelConfig
 from kvserve.distributed.sharding import (
+    check_split,
     layer_range,
     max_rank_bytes,
     rank_bytes,
@@ -21,7 +22,9 @@ from kvserve.distributed.sharding import (
     vocab_shard,
 )
 from kvserve.models.source import resolve_model_config
-from kvserve.plan.planner import count_params
+from kvserve.plan.counts import Hardware, PlanInputs
+from kvserve.plan.gpus import get_gpu
+from kvserve.plan.planner import compute_plan, count_params
 from kvserve.worker import kv_cache
 
 
@@ -66,3 +69,69 @@ def test_a_model_that_does_not_fit_names_the_smallest_sizes_that_would(
         kv_cache.check_weights_fit(config, torch.bfloat16, cuda, 0.5, two, 8192)
     kv_cache.check_weights_fit(config, torch.bfloat16, cuda, 0.9,
                                ParallelConfig(tensor_parallel_size=4), 8192)
+
+
+# torch.cuda.mem_get_info's totals on the lent cards
+H100_BYTES = 85_029_158_912  # NVIDIA H100 80GB HBM3
+H200_BYTES = 150_754_820_096  # NVIDIA H200
+
+
+def test_llama_3_70b_splits_four_eight_and_sixteen_ways() -> None:
+    """64 query heads, 8 KV heads: one KV head a rank at TP=8; at TP=16 each
+    KV head is held by the two ranks whose query heads use it."""
+    config, _ = resolve_model_config("llama-3-70b")
+    for tp, pp in ((4, 1), (8, 1), (16, 1), (4, 2), (8, 2)):
+        check_split(config, tp, pp)
+    eight = [split_heads(64, 8, 8, r) for r in range(8)]
+    assert [(s.num_heads, s.num_kv_heads, s.kv_head_start) for s in eight] == [
+        (8, 1, r) for r in range(8)]
+    sixteen = [split_heads(64, 8, 16, r) for r in range(16)]
+    assert [s.kv_head_start for s in sixteen] == [r // 2 for r in range(16)]
+    assert [s.head_start for s in sixteen] == [4 * r for r in range(16)]
+    # replicated KV heads: a rank's KV per token stops shrinking past TP=8
+    kv = [rank_bytes(config, 2, tp, 1, 0).kv_per_token for tp in (4, 8, 16)]
+    assert kv == [2 * 80 * 2 * 128 * 2, 2 * 80 * 128 * 2, 2 * 80 * 128 * 2]
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_llama_3_70b_rank_bytes_match_the_planner(tp: int) -> None:
+    """``kvserve plan --tp`` and the engine's start-up check agree on a rank's
+    weights (within the replicated norms) and KV per token."""
+    config, _ = resolve_model_config("llama-3-70b")
+    plan = compute_plan(config, Hardware.from_gpu(get_gpu("h100-sxm"), "bf16"),
+                        PlanInputs(tp=tp))
+    ours = rank_bytes(config, 2, tp, 1, 0)
+    assert ours.kv_per_token == plan.kv_bytes_per_token
+    assert plan.weight_bytes <= ours.weights < plan.weight_bytes * 1.001
+
+
+@pytest.mark.parametrize(("total", "tp", "pp"), [
+    (H100_BYTES, 4, 1), (H100_BYTES, 8, 1), (H100_BYTES, 4, 2), (H100_BYTES, 2, 2),
+    (H200_BYTES, 2, 1), (H200_BYTES, 4, 1), (H200_BYTES, 8, 1),
+])
+def test_llama_3_70b_fits_the_multi_gpu_runs(
+    total: int, tp: int, pp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The splits ``benchmarks/multi_gpu.py`` runs start on the lent cards at
+    the default gpu_memory_utilization (0.9), with 1 GiB already in use."""
+    config, _ = resolve_model_config("llama-3-70b")
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device=None: (total - (1 << 30), total))
+    kv_cache.check_weights_fit(config, torch.bfloat16, torch.device("cuda", 0), 0.9,
+                               ParallelConfig(tensor_parallel_size=tp,
+                                              pipeline_parallel_size=pp), 8192)
+
+
+def test_llama_3_70b_on_one_h100_names_the_two_way_splits(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, _ = resolve_model_config("llama-3-70b")
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device=None: (H100_BYTES - (1 << 30), H100_BYTES))
+    # 0.9 of 85.0 GB less 1.07 GB: 75.45 GB; TP=2 needs 70.56 GB of weights and
+    # 1.34 GB of KV for 8,192 tokens
+    with pytest.raises(ValueError, match=r"141\.11 GB in torch\.bfloat16 .* would fit at "
+                                         r"tensor_parallel_size=2 \(71\.90 GB per rank\) or "
+                                         r"pipeline_parallel_size=2"):
+        kv_cache.check_weights_fit(config, torch.bfloat16, torch.device("cuda", 0), 0.9,
+                                   ParallelConfig(), 8192)

@@ -35,9 +35,11 @@ from kvserve.quant.methods import LinearMethod
 from tests.unit.test_models import PagedRunner, rel_err
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "quant"
-# weight-only fixtures (FP8 W8A8 ones quantise activations too: test_fp8_checkpoints.py)
+# weight-only fixtures (W8A8 ones quantise activations too: test_fp8_checkpoints.py,
+# test_int8_w8a8_checkpoints.py)
 FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir()
-                       if (p / "reference.json").is_file() and not p.name.startswith("llmc-fp8"))
+                       if (p / "reference.json").is_file()
+                       and not p.name.startswith(("llmc-fp8", "llmc-w8a8")))
 RTOL = 1e-5
 
 

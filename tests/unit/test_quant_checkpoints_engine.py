@@ -21,9 +21,11 @@ from safetensors.torch import load_file
 from kvserve import LLM, SamplingParams
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "quant"
-# weight-only fixtures (FP8 W8A8 ones quantise activations too: test_fp8_checkpoints.py)
+# weight-only fixtures (W8A8 ones quantise activations too: test_fp8_checkpoints.py,
+# test_int8_w8a8_checkpoints.py)
 FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir()
-                       if (p / "reference.json").is_file() and not p.name.startswith("llmc-fp8"))
+                       if (p / "reference.json").is_file()
+                       and not p.name.startswith(("llmc-fp8", "llmc-w8a8")))
 LOGPROB_ATOL = 1e-4
 TOP_LOGPROBS = 5
 

@@ -34,6 +34,7 @@ EXPECTED = {
     "llmc-gptq-w4a16-asym-g32-actorder": (4, 32, False, "compressed-tensors", False),
     "llmc-awq-w4a16-asym-g128": (4, 128, False, "compressed-tensors", False),
     "llmc-gptq-w8a16-channel": (8, -1, True, "compressed-tensors", False),
+    "llmc-w8a8-int8-smoothquant": (8, -1, True, "compressed-tensors", False),
     "llmc06-gptq-w4a16-g32-actorder-group": (4, 32, True, "compressed-tensors", True),
     "gptqmodel-w4-g32-desc-act-asym": (4, 32, False, "gptq", True),
     "gptqmodel-w4-g32-sym": (4, 32, True, "gptq", False),
@@ -219,13 +220,30 @@ def test_bad_configs_name_field_and_value(qc: dict[str, Any], message: str) -> N
         parse_quantization_config(hf(qc))
 
 
-def test_activation_quantisation_is_refused() -> None:
+def test_activation_quantisation_needs_a_w8a8_format() -> None:
     w8a8 = ct({"num_bits": 8, "strategy": "channel"})
     w8a8["config_groups"]["group_0"]["input_activations"] = {
         "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
     with pytest.raises(ValueError, match=re.escape(
-            "config_groups.group_0.input_activations=") + ".*INT8 W8A8 activation "
-            "quantisation is not supported yet"):
+            "config_groups.group_0.input_activations=") + ".*format pack-quantized.*"
+            "int-quantized"):
+        parse_quantization_config(hf(w8a8))
+
+
+def test_int_quantized_is_int8_w8a8() -> None:
+    w8a8 = ct({"num_bits": 8, "strategy": "channel"}, format="int-quantized")
+    w8a8["config_groups"]["group_0"]["input_activations"] = {
+        "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}
+    config = parse_quantization_config(hf(w8a8))
+    assert config is not None
+    assert (config.weight_type, config.name, config.bits, config.group_size) == (
+        "w8a8-int8", "w8a8-int8", 8, -1)
+    assert resolve_quantization(hf(w8a8), "w8a8-int8", "cfg") == config
+    w8a8["config_groups"]["group_0"]["input_activations"]["symmetric"] = False
+    with pytest.raises(ValueError, match=r"input_activations\.symmetric=False"):
+        parse_quantization_config(hf(w8a8))
+    w8a8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "float"}
+    with pytest.raises(ValueError, match=r"input_activations\.type='float'.*allowed: int"):
         parse_quantization_config(hf(w8a8))
 
 
@@ -294,7 +312,7 @@ def test_resolve_errors_name_both_sides() -> None:
 
 def test_choices_constant_and_no_torch_import() -> None:
     assert QUANTIZATION_CHOICES == ("gptq", "awq", "compressed-tensors", "int8", "int4",
-                                    "int4-g32", "int4-g64", "int4-g128", "fp8")
+                                    "int4-g32", "int4-g64", "int4-g128", "fp8", "w8a8-int8")
     code = ("import sys, kvserve.quant.formats; "
             "assert 'torch' not in sys.modules, 'quant.formats imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)

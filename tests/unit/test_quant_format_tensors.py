@@ -29,9 +29,11 @@ from kvserve.quant.formats.tensors import add_to_words
 from kvserve.quant.packing import QuantizedWeight, dequantize, quantize_rtn
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "quant"
-# weight-only fixtures (the FP8 ones, llmc-fp8-*: test_fp8_checkpoints.py)
+# weight-only fixtures (the W8A8 ones, llmc-fp8-* and llmc-w8a8-*: test_fp8_checkpoints.py,
+# test_int8_w8a8_checkpoints.py)
 FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir()
-                       if (p / "reference.json").is_file() and not p.name.startswith("llmc-fp8"))
+                       if (p / "reference.json").is_file()
+                       and not p.name.startswith(("llmc-fp8", "llmc-w8a8")))
 Tensors = dict[str, torch.Tensor]
 
 

@@ -61,6 +61,20 @@ def spy_on_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
     return seen
 
 
+def count_verify_layout_steps(llm: LLM) -> Callable[[], int]:
+    """A counter of the runner's steps laid out one token per row."""
+    buffers: Any = llm.engine.core.executor.verify
+    count = [0]
+    fill = buffers.fill
+
+    def spy(*args: Any) -> Any:
+        count[0] += 1
+        return fill(*args)
+
+    buffers.fill = spy
+    return lambda: count[0]
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("target"), with_tokenizer=True)
@@ -105,12 +119,14 @@ def test_greedy_output_is_identical_with_speculation(
     kwargs = dict(num_kv_blocks=24 if batch > 1 else 64, max_num_batched_tokens=16,
                   speculative_config=config)
     llm = LLM(model=str(target), block_size=4, **kwargs)
+    num_verify_steps = count_verify_layout_steps(llm)
     if method == "oracle":  # the first pass records, the second replays
         assert summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["spec_decode_num_draft_tokens"] > 0
+    assert num_verify_steps() > 0  # steps laid out one token per row (verify_layout.py)
     if batch > 1:
         assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     if method in ("draft_model", "oracle"):
@@ -354,3 +370,35 @@ def test_structured_output_requests_run_without_speculation(target: Path) -> Non
         jsonschema.validate(json.loads(outputs[i][0][1]), schema)
     assert outputs[3][0][0] == [7] * 8
     assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_async_scheduling_queues_the_next_step_before_reporting_a_speculative_one(
+        target: Path) -> None:
+    """With async scheduling a speculative step stays in flight: the call
+    that reports it has already planned and queued the next step from it (a
+    synchronous run reports it in the call that queued it). Output identical."""
+    prompts = PROMPTS[:3]
+    expected, _ = generate(target, GREEDY, prompts)
+    for async_scheduling in (False, True):
+        llm = LLM(model=str(target), block_size=4, async_scheduling=async_scheduling,
+                  speculative_config=spec("ngram", prompt_lookup_min=1))
+        left_in_flight = spy_on_speculative_steps_left_in_flight(llm)
+        assert summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+        assert any(left_in_flight) == async_scheduling
+
+
+def spy_on_speculative_steps_left_in_flight(llm: LLM) -> list[bool]:
+    """Per ``EngineCore.step`` call: whether it returned with a speculative
+    step still in flight."""
+    core: Any = llm.engine.core.core  # the EngineCore behind the in-process client
+    left_in_flight: list[bool] = []
+    step = core.step
+
+    def spy() -> Any:
+        outputs = step()
+        left_in_flight.append(any(out.is_spec_step for out, _ in core._in_flight))
+        return outputs
+
+    core.step = spy
+    return left_in_flight

@@ -13,8 +13,8 @@ Reads the JSON its producer wrote, as plain data (no torch, no files except
 - HF's FP8 (``quant_method: fp8``, per-tensor or per-channel ``weight_scale``;
   not block-wise).
 
-FP8 activations are quantised per token as the model runs whatever the
-checkpoint says (a static ``input_scale`` is read and dropped).
+FP8 and INT8 activations are quantised per token as the model runs whatever
+the checkpoint says (a static ``input_scale`` is read and dropped).
 
 Every value kvserve cannot serve is a ``ValueError`` naming the field as
 ``quantization_config.<path>``, its value and what is allowed. Which linears
@@ -40,7 +40,9 @@ _QUANT_METHODS = (*CHECKPOINT_METHODS, "fp8")
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 AWQ_VERSIONS = ("gemm",)
 AWQ_GROUP_SIZES = (32, 64, 128)
-CT_FORMATS = ("pack-quantized", "float-quantized")
+CT_FORMATS = ("pack-quantized", "float-quantized", "int-quantized")
+# compressed-tensors W8A8 formats: their quantisation type, and kvserve's weight type
+CT_W8A8_FORMATS = {"float-quantized": ("float", "fp8"), "int-quantized": ("int", "w8a8-int8")}
 _FIELD = "quantization_config"
 
 
@@ -143,8 +145,9 @@ def resolve_quantization(
         checkpoint = parse_quantization_config(hf_config, quantize_config)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from e
-    if requested == "fp8" and checkpoint is not None and checkpoint.weight_type == "fp8":
-        return checkpoint  # an FP8 checkpoint served as it is
+    if requested in ("fp8", "w8a8-int8") and checkpoint is not None \
+            and checkpoint.weight_type == requested:
+        return checkpoint  # a W8A8 checkpoint of that type served as it is
     if requested is None or requested in CHECKPOINT_METHODS:
         if requested is not None and checkpoint is None:
             raise ValueError(
@@ -294,8 +297,8 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
             field = f"config_groups.{name}.format" if scheme.get("format") else "format"
             raise _bad(field, group_format, ", ".join(CT_FORMATS))
         path = f"config_groups.{name}"
-        schemes.append((name, _ct_fp8_scheme(scheme, path) if group_format == "float-quantized"
-                        else _ct_scheme(scheme, path)))
+        schemes.append((name, _ct_w8a8_scheme(scheme, path, group_format)
+                        if group_format in CT_W8A8_FORMATS else _ct_scheme(scheme, path)))
         scheme_targets = scheme.get("targets")
         if not isinstance(scheme_targets, list) or not scheme_targets:
             raise _bad(f"config_groups.{name}.targets", scheme_targets, "a list of targets")
@@ -315,14 +318,16 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
                        ignore=tuple(patterns), weight_type=first.weight_type)
 
 
-def _ct_fp8_scheme(scheme: dict[str, Any], path: str) -> QuantConfig:
-    """A ``float-quantized`` entry: e4m3 weights per channel or per tensor,
-    e4m3 activations per token (dynamic) or per tensor (static)."""
+def _ct_w8a8_scheme(scheme: dict[str, Any], path: str, group_format: str) -> QuantConfig:
+    """A ``float-quantized`` (e4m3) or ``int-quantized`` (int8) entry: symmetric
+    8-bit weights per channel or per tensor, 8-bit activations of the same
+    type per token (dynamic) or per tensor (static)."""
+    quant_type, weight_type = CT_W8A8_FORMATS[group_format]
     weights = scheme.get("weights")
     if not isinstance(weights, dict):
         raise _bad(f"{path}.weights", weights, "a weight quantisation object")
     w = f"{path}.weights"
-    _choice(weights, "type", ("float",), None, w)
+    _choice(weights, "type", (quant_type,), None, w)
     _choice(weights, "num_bits", (8,), None, w)
     _choice(weights, "strategy", ("channel", "tensor"), None, w)
     if weights.get("symmetric", True) is not True:
@@ -334,13 +339,15 @@ def _ct_fp8_scheme(scheme: dict[str, Any], path: str) -> QuantConfig:
         a = f"{path}.input_activations"
         if not isinstance(acts, dict):
             raise _bad(a, acts, "null or an activation quantisation object")
-        _choice(acts, "type", ("float",), None, a)
+        _choice(acts, "type", (quant_type,), None, a)
         _choice(acts, "num_bits", (8,), None, a)
         _choice(acts, "strategy", ("token", "tensor"), None, a)
+        if acts.get("symmetric", True) is not True:
+            raise _bad(f"{a}.symmetric", acts.get("symmetric"), "true")
     if scheme.get("output_activations") is not None:
         raise _bad(f"{path}.output_activations", scheme["output_activations"], "null")
     return QuantConfig(bits=8, group_size=-1, checkpoint_format="compressed-tensors",
-                       weight_type="fp8")
+                       weight_type=weight_type)
 
 
 # --- HF fp8 -----------------------------------------------------------------
@@ -366,9 +373,9 @@ def _ct_scheme(scheme: dict[str, Any], path: str) -> QuantConfig:
     for field in ("input_activations", "output_activations"):
         if scheme.get(field) is not None:
             raise ValueError(
-                f"{_FIELD}.{path}.{field}={scheme[field]!r} is not supported: INT8 W8A8 "
-                "activation quantisation is not supported yet (allowed: null, weight-only "
-                "W4A16 / W8A16; FP8 W8A8 comes as format float-quantized)")
+                f"{_FIELD}.{path}.{field}={scheme[field]!r} is not supported with format "
+                "pack-quantized (allowed: null, weight-only W4A16 / W8A16; W8A8 comes as "
+                "format int-quantized or float-quantized)")
     weights = scheme.get("weights")
     if not isinstance(weights, dict):
         raise _bad(f"{path}.weights", weights, "a weight quantisation object")

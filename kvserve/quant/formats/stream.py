@@ -10,8 +10,10 @@ only) and ``{module}.perm`` (act-order only); scales and zeros in the
 model's dtype. Every other tensor passes through as it came (norms,
 embeddings, biases, the 16-bit ``weight`` of ignored linears). A config
 without a checkpoint format rounds each quantised linear's 16-bit
-``weight`` to nearest here instead (FP8: e4m3 values and float32
-per-channel scales, ``quant/fp8.py``). It knows module names only through
+``weight`` to nearest here instead (FP8 / INT8 W8A8: e4m3 / int8 values
+and float32 per-channel scales, ``quant/fp8.py`` / ``quant/int8.py``). A
+W8A8 checkpoint's linears keep their 8-bit ``weight`` as ``qweight`` and
+their ``weight_scale`` as float32 ``scales [N, 1]``. It knows module names only through
 ``is_linear``; it never touches the model.
 """
 
@@ -21,12 +23,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kvserve.quant.config import QuantConfig
+from kvserve.quant import fp8, int8
+from kvserve.quant.config import W8A8_TYPES, QuantConfig
 from kvserve.quant.formats.awq import AWQ
 from kvserve.quant.formats.compressed_tensors import COMPRESSED_TENSORS
 from kvserve.quant.formats.gptq import GPTQ
 from kvserve.quant.formats.tensors import CheckpointFormat, Parts
-from kvserve.quant.fp8 import quantize_weight as quantize_fp8_weight
 from kvserve.quant.packing import QuantizedWeight, quantize_rtn
 
 FORMATS: dict[str, CheckpointFormat] = {
@@ -56,8 +58,8 @@ def quantized_stream(
     if config.checkpoint_format is None:
         yield from _round_to_nearest(config, weights, is_linear, dtype, device)
         return
-    if config.weight_type == "fp8":
-        yield from _fp8_checkpoint(config, weights, is_linear, device)
+    if config.weight_type in W8A8_TYPES:
+        yield from _w8a8_checkpoint(config, weights, is_linear, device)
         return
     fmt = FORMATS[config.checkpoint_format]
     needed = set(fmt.required(config))
@@ -125,8 +127,9 @@ def _round_to_nearest(
             continue
         if device is not None:
             tensor = tensor.to(device)
-        if config.weight_type == "fp8":  # e4m3 values and float32 per-channel scales
-            qweight, scales = quantize_fp8_weight(tensor)
+        if config.weight_type in W8A8_TYPES:  # 8-bit values and float32 per-channel scales
+            quantize = fp8.quantize_weight if config.weight_type == "fp8" else int8.quantize_weight
+            qweight, scales = quantize(tensor)
             yield f"{module}.qweight", qweight
             yield f"{module}.scales", scales
             continue
@@ -135,18 +138,21 @@ def _round_to_nearest(
         yield from packed_tensors(module, qw, config, dtype)
 
 
-FP8_PARTS = ("weight", "weight_scale")
+W8A8_PARTS = ("weight", "weight_scale")
+W8A8_WEIGHT_DTYPES = {"fp8": torch.float8_e4m3fn, "w8a8-int8": torch.int8}
 
 
-def _fp8_checkpoint(
+def _w8a8_checkpoint(
     config: QuantConfig, weights: Weights, is_linear: Callable[[str], bool],
     device: torch.device | str | None,
 ) -> Weights:
-    """An FP8 checkpoint's linears (compressed-tensors ``float-quantized``, HF
-    fp8): the e4m3 ``weight`` as ``qweight`` and its ``weight_scale`` (one per
-    tensor or per output channel) as float32 ``scales [N, 1]``; a static
-    ``input_scale`` is checked and dropped (activations are quantised per
-    token as the model runs)."""
+    """A W8A8 checkpoint's linears (compressed-tensors ``float-quantized`` or
+    ``int-quantized``, HF fp8): the 8-bit ``weight`` as ``qweight`` and its
+    ``weight_scale`` (one per tensor or per output channel) as float32
+    ``scales [N, 1]``; a static ``input_scale`` (and a symmetric scheme's
+    all-zero ``input_zero_point``) is checked and dropped (activations are
+    quantised per token as the model runs)."""
+    weight_dtype = W8A8_WEIGHT_DTYPES[config.weight_type]
     pending: dict[str, Parts] = {}
     for name, tensor in weights:
         module, _, part = name.rpartition(".")
@@ -157,28 +163,34 @@ def _fp8_checkpoint(
             if not bool(torch.isfinite(tensor.float()).all()):
                 raise ValueError(f"checkpoint tensor '{name}': a non-finite input scale")
             continue
-        if part not in FP8_PARTS:
+        if part in ("input_zero_point", "weight_zero_point"):
+            if bool((tensor != 0).any()):
+                raise ValueError(f"checkpoint tensor '{name}': the scheme is symmetric, so "
+                                 "its zero point must be 0; found non-zero values")
+            continue
+        if part not in W8A8_PARTS:
             yield name, tensor  # a bias
             continue
-        if part == "weight" and tensor.dtype != torch.float8_e4m3fn:
+        if part == "weight" and tensor.dtype != weight_dtype:
             raise ValueError(
                 f"checkpoint tensor '{name}' is {tensor.dtype}, but the quantization_config "
-                f"({config.checkpoint_format}, fp8) quantises '{module}': expected "
-                "float8_e4m3fn (is the module missing from the ignore list?)")
+                f"({config.checkpoint_format}, {config.name}) quantises '{module}': expected "
+                f"{str(weight_dtype).removeprefix('torch.')} (is the module missing from the "
+                "ignore list?)")
         parts = pending.setdefault(module, {})
         if part in parts:
             raise ValueError(f"checkpoint tensor '{name}' appears twice")
         parts[part] = tensor if device is None else tensor.to(device)
-        if len(parts) == len(FP8_PARTS):
-            yield from _fp8_tensors(module, pending.pop(module))
+        if len(parts) == len(W8A8_PARTS):
+            yield from _w8a8_tensors(module, pending.pop(module))
     if pending:
-        missing = [f"{module} (missing {', '.join(sorted(set(FP8_PARTS) - set(parts)))})"
+        missing = [f"{module} (missing {', '.join(sorted(set(W8A8_PARTS) - set(parts)))})"
                    for module, parts in pending.items()]
-        raise ValueError(f"checkpoint lacks parts of {len(missing)} fp8 linear(s): "
+        raise ValueError(f"checkpoint lacks parts of {len(missing)} {config.name} linear(s): "
                          f"{'; '.join(missing[:5])}")
 
 
-def _fp8_tensors(module: str, parts: Parts) -> Weights:
+def _w8a8_tensors(module: str, parts: Parts) -> Weights:
     weight, scale = parts["weight"], parts["weight_scale"].float()
     n = weight.shape[0]
     if weight.dim() != 2 or scale.numel() not in (1, n):

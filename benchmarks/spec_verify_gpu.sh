@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The verify-step checks of decision 0038 on one GPU: the GPU tests of
+# speculative decoding (verify graphs vs eager vs plain at batch 1 and 8, k in {1, 2, 4}; the
+# verify layout with fused rotary; every method), then the oracle on the llama-3-8b preset at
+# batch 1, k = 4, alpha = 0.8 with async scheduling and without (the verify / plain step ratio
+# of each), then the full oracle grid (k in {2, 4, 6} x alpha in {0.6, 0.8, 0.95}).
+#   benchmarks/spec_verify_gpu.sh OUT_DIR [STAGE...]
+# Stages, in order (default: all): tests oracle-k4 oracle-k4-sync oracle-grid.
+# Run from the repository root on the GPU machine; JSON and logs land in OUT_DIR.
+set -euo pipefail
+out=${1:?output directory}
+shift
+stages=${*:-tests oracle-k4 oracle-k4-sync oracle-grid}
+mkdir -p "$out"
+source benchmarks/gpu_lib.sh
+
+for stage in $stages; do
+    case $stage in
+        tests)
+            run tests python -m pytest -q -m gpu tests/gpu/test_spec_decode_gpu.py \
+                tests/gpu/test_cuda_graphs_gpu.py > "$out/tests.log" 2>&1
+            tail -15 "$out/tests.log"
+            ;;
+        oracle-k4)
+            run oracle-k4 python benchmarks/spec_decode.py --out "$out/oracle-k4" \
+                --parts oracle --oracle-ks 4 --oracle-alphas 0.8
+            ;;
+        oracle-k4-sync)
+            run oracle-k4-sync python benchmarks/spec_decode.py --out "$out/oracle-k4-sync" \
+                --parts oracle --oracle-ks 4 --oracle-alphas 0.8 --no-async-scheduling
+            ;;
+        oracle-grid)
+            run oracle-grid python benchmarks/spec_decode.py --out "$out/oracle-grid" \
+                --parts oracle
+            ;;
+        *)
+            echo "unknown stage: $stage" >&2
+            exit 2
+            ;;
+    esac
+done
+exit $failed
