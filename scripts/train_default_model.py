@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -220,6 +220,32 @@ TINY_PRESET: dict[str, Any] = {
     "stop_eval_new_tokens": 12,
     "chat_eval_prompts": 4,
     "chat_eval_new_tokens": 12,
+}
+
+
+# --init-from (warm start from a released family): what issue 28 adds, on a small budget.
+# Flags not given explicitly take these over the preset (not under --tiny).
+WARM_PRESET: dict[str, Any] = {
+    "target_minutes": 6.0,
+    "draft_minutes": 2.0,
+    "lora_minutes": 1.0,
+    "sft_minutes": 8.0,
+    "draft_sft_minutes": 1.5,
+    "sft_max_tokens": 320,
+    "time_limit_minutes": 35.0,
+    "eval_reserve_s": 900.0,
+    "batch_size": 4,
+    "sft_batch_size": 8,
+    "target_lr": 5e-4,
+    "draft_lr": 1e-3,
+    "dropout": 0.0,
+    "max_epochs": 0.0,
+    "warmup_steps": 5,
+    "eval_every": 20,
+    "val_windows": 16,
+    "bos_window_share": 0.0,  # a `<|bos|>def ...` window should end, as stop examples do
+    "unit_window_share": 0.5,
+    "log_every_s": 60.0,
 }
 
 
@@ -1062,6 +1088,24 @@ def peft_state_dict(wrapped: dict[str, LoRALinear]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def load_adapter(wrapped: dict[str, LoRALinear], adapter_dir: Path) -> None:
+    """Start the wrappers from a released PEFT adapter of the same targets, rank and alpha."""
+    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    expected = peft_state_dict(wrapped)
+    if set(tensors) != set(expected) or any(
+        tensors[k].shape != v.shape for k, v in expected.items()
+    ):
+        raise SystemExit(
+            f"--init-from: {adapter_dir} does not match --lora-targets / --lora-rank "
+            f"({len(tensors)} tensors, expected {len(expected)})"
+        )
+    with torch.no_grad():
+        for path, lora in wrapped.items():
+            prefix = f"base_model.model.{path}"
+            lora.lora_A.weight.copy_(tensors[f"{prefix}.lora_A.weight"])
+            lora.lora_B.weight.copy_(tensors[f"{prefix}.lora_B.weight"])
+
+
 def write_adapter(
     out_dir: Path,
     wrapped: dict[str, LoRALinear],
@@ -1132,6 +1176,74 @@ def save_model_dir(model: LlamaForCausalLM, out_dir: Path, tok: Tokenizer) -> No
     }
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     save_tokenizer(tok, out_dir)
+
+
+# --------------------------------------------------------------------------- warm start
+
+
+def released_dirs(root: Path) -> dict[str, Path]:
+    """The target and draft directories of a released family under root (--init-from):
+    kvserve-code-draft-* is the draft, the other kvserve-code-* with a config.json the target."""
+    found: dict[str, list[Path]] = {"target": [], "draft": []}
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if d.name.startswith("kvserve-code-") and (d / "config.json").is_file():
+            found["draft" if d.name.startswith("kvserve-code-draft-") else "target"].append(d)
+    if any(len(v) != 1 for v in found.values()):
+        raise SystemExit(
+            f"--init-from {root}: expected one kvserve-code-* target and one "
+            f"kvserve-code-draft-* draft directory with a config.json, found "
+            f"{ {k: [d.name for d in v] for k, v in found.items()} }"
+        )
+    return {k: v[0] for k, v in found.items()}
+
+
+def load_released_tokenizer(model_dir: Path) -> Tokenizer:
+    """A released tokenizer.json, checked to carry SPECIAL_TOKENS at ids 0..6."""
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
+    if ids != list(range(len(SPECIAL_TOKENS))):
+        raise SystemExit(
+            f"--init-from: {model_dir}/tokenizer.json has special tokens at {ids}, expected "
+            f"{SPECIAL_TOKENS} at 0..{len(SPECIAL_TOKENS) - 1}"
+        )
+    return tok
+
+
+def load_released_model(model_dir: Path, tok: Tokenizer) -> tuple[LlamaForCausalLM, ModelSize]:
+    """A released model in float32 for training, with this script's eos ids (<|end|> too)."""
+    model = LlamaForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="sdpa"
+    )
+    cfg = model.config
+    if cfg.vocab_size != tok.get_vocab_size():
+        raise SystemExit(
+            f"--init-from: {model_dir} has vocab_size {cfg.vocab_size}, its tokenizer "
+            f"{tok.get_vocab_size()}"
+        )
+    cfg.eos_token_id = [tok.token_to_id(EOS), tok.token_to_id("<|end|>")]
+    size = ModelSize(
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+    )
+    return model, size
+
+
+def device_description(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name and the threads torch uses."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({torch.get_num_threads()} threads)"
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -1384,6 +1496,7 @@ def fmt(x: Any, digits: int = 3) -> str:
 
 def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict[str, str]) -> str:
     t, d, lo = metrics["target"], metrics["draft"], metrics.get("lora", {})
+    warm = metrics.get("init_from") is not None
     sig, acc = metrics.get("signature_validity") or {}, metrics.get("acceptance") or {}
     split = corpus_info["splits"]
     packages = corpus_info["packages"]
@@ -1403,8 +1516,9 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
     lines = [
         f"# {names['target']}",
         "",
-        "kvserve's bundled default model: a small Llama-architecture code model trained from",
-        "scratch by `scripts/train_default_model.py` on Python source code, with a",
+        "kvserve's bundled default model: a small Llama-architecture code model trained "
+        + ("from a warm start" if warm else "from scratch")
+        + " by `scripts/train_default_model.py` on Python source code, with a",
         f"speculative-decoding draft (`{names['draft']}`) and a LoRA adapter fine-tuned on test",
         f"files (`{names['lora']}`). A demo model: it completes Python, ends a completed top-level",
         "function with <|eos|>, and answers a one-line request (a docstring summary, with or",
@@ -1432,8 +1546,9 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
         lines.append(f"| {name} | {s['num_files']} | {s['num_bytes']:,} | {s['num_tokens']:,} |")
     lines += [
         "",
-        f"Tokenizer: byte-level BPE, vocabulary {metrics['vocab_size']}, trained on the train "
-        "split; special tokens " + ", ".join(f"`{s}`" for s in SPECIAL_TOKENS) + ".",
+        f"Tokenizer: byte-level BPE, vocabulary {metrics['vocab_size']}, "
+        + ("the starting checkpoint's, unchanged" if warm else "trained on the train split")
+        + "; special tokens " + ", ".join(f"`{s}`" for s in SPECIAL_TOKENS) + ".",
         "",
         "## Models",
         "",
@@ -1451,17 +1566,7 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
         )
     lines += [
         "",
-        f"Llama (RoPE theta 10000, SwiGLU, RMSNorm, tied embeddings), context "
-        f"{metrics['max_position_embeddings']} (trained at {metrics['seq_len']}), weights "
-        f"in bfloat16. Trained on {metrics['device_name']} with AdamW (betas 0.9/0.95, weight "
-        f"decay 0.1), linear warmup and cosine decay over at most {metrics['max_epochs']} "
-        f"epochs or the time budget, {metrics['precision']}, random {metrics['seq_len']}-token "
-        f"windows ({metrics['bos_window_share']:.0%} of them <|bos|> + a mid-file top-level "
-        f"line, as prompts look), residual dropout {metrics['dropout']} (target); the weights "
-        "with the best validation loss are kept. The draft is trained on the same data with "
-        f"{metrics['distill_weight']} of its loss as KL to the target's distribution. Seed "
-        f"{metrics['seed']}; torch {metrics['torch_version']}, transformers "
-        f"{metrics['transformers_version']}. Exact settings: train_log.json.",
+        training_text(metrics),
         "",
         task_text(metrics, corpus_info.get("tasks") or {}),
         "",
@@ -1474,7 +1579,8 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
         f"{fmt(t.get('heldout_ppl'), 2)} |",
         f"| draft held-out loss / perplexity | {fmt(d.get('heldout_loss'))} / "
         f"{fmt(d.get('heldout_ppl'), 2)} |",
-        f"| target / draft held-out bits per byte (independent of the tokenizer) | "
+        f"| target / draft held-out bits per byte (independent of the tokenizer; "
+        f"{heldout_windows_text(metrics)}) | "
         f"{fmt(t.get('heldout_bits_per_byte'))} / {fmt(d.get('heldout_bits_per_byte'))} |",
         f"| target / draft held-out loss (bits per byte), docstrings of the held-out files "
         f"shortened to their summary line too (diagnostic) | "
@@ -1491,6 +1597,7 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
         f"| test-slice held-out loss, target without / with adapter | "
         f"{fmt(lo.get('heldout_loss_base'))} / {fmt(lo.get('heldout_loss_lora'))} |",
         "",
+        *(starting_checkpoint_text(metrics["init_from"]) if warm else []),
         "## Samples (greedy)",
         "",
     ]
@@ -1509,6 +1616,74 @@ def model_card(metrics: dict[str, Any], corpus_info: dict[str, Any], names: dict
         "",
     ]
     return "\n".join(lines)
+
+
+def heldout_windows_text(metrics: dict[str, Any]) -> str:
+    n = metrics.get("heldout_windows") or 0
+    size = metrics["seq_len"]
+    return f"first {n} windows of {size} tokens" if n > 0 else f"all {size}-token windows"
+
+
+def training_text(metrics: dict[str, Any]) -> str:
+    """The model card's paragraph on how the target and draft were trained."""
+    common = (
+        f"Llama (RoPE theta 10000, SwiGLU, RMSNorm, tied embeddings), context "
+        f"{metrics['max_position_embeddings']} (trained at {metrics['seq_len']}), weights "
+        "in bfloat16. "
+    )
+    tail = (
+        f"Seed {metrics['seed']}; torch {metrics['torch_version']}, transformers "
+        f"{metrics['transformers_version']}. Exact settings: train_log.json."
+    )
+    init = metrics.get("init_from")
+    if init is not None:
+        t, d = metrics["target"], metrics["draft"]
+        return common + (
+            f"Warm start (`--init-from`): the tokenizer and the target and draft weights are "
+            f"those of the previous release ({init['target']} / {init['draft']}, its card "
+            "summarised below); this run added only issue 28's stages, on "
+            f"{metrics['device_name']} in {metrics['total_s'] / 60:.0f} minutes wall clock "
+            f"(evaluation included), {metrics['precision']}: the target's continued training "
+            f"({t['steps']} steps of {metrics['batch_size']} x {metrics['seq_len']}-token "
+            f"windows, lr {metrics['target_lr']}, {metrics['unit_window_share']:.0%} of the "
+            "windows starting at a stop example, the rest random windows of the file stream) "
+            f"then its chat stage, the draft's distillation from the new target ({d['steps']} "
+            f"steps, {metrics['distill_weight']} of its loss as KL to the target) then its "
+            "chat stage, and a new LoRA adapter; AdamW (betas 0.9/0.95), linear warmup and "
+            "cosine decay over each phase's time budget; the weights with the best validation "
+            "loss of each phase are kept. The table above counts this run's steps only. "
+        ) + tail
+    return common + (
+        f"Trained on {metrics['device_name']} with AdamW (betas 0.9/0.95, weight "
+        f"decay 0.1), linear warmup and cosine decay over at most {metrics['max_epochs']} "
+        f"epochs or the time budget, {metrics['precision']}, random {metrics['seq_len']}-token "
+        f"windows ({metrics['bos_window_share']:.0%} of them <|bos|> + a mid-file top-level "
+        f"line, as prompts look), residual dropout {metrics['dropout']} (target); the weights "
+        "with the best validation loss are kept. The draft is trained on the same data with "
+        f"{metrics['distill_weight']} of its loss as KL to the target's distribution. "
+    ) + tail
+
+
+def starting_checkpoint_text(init: dict[str, Any]) -> list[str]:
+    """The starting checkpoint's own Corpus and Models sections (its pre-training), quoted
+    from its card with their headings one level down."""
+    lines = ["## Starting checkpoint (pre-training, from its card)", ""]
+    if not init.get("card_sections"):
+        return [*lines, f"Its card was not found in {init['path']}.", ""]
+    for line in init["card_sections"].splitlines():
+        lines.append("#" + line if line.startswith("## ") else line)
+    return [*lines, ""]
+
+
+def previous_card_sections(card: str) -> str:
+    """The '## Corpus' through '## Models' sections of a released card (up to the next
+    '## ' heading after '## Models'), or '' when the card has neither."""
+    start = card.find("## Corpus")
+    models = card.find("## Models", max(start, 0))
+    if start < 0 or models < 0:
+        return ""
+    end = card.find("\n## ", models + 1)
+    return card[start : end if end >= 0 else len(card)].strip() + "\n"
 
 
 def task_text(metrics: dict[str, Any], info: dict[str, Any]) -> str:
@@ -1689,8 +1864,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             default=None,
             help=f"default: {FULL_PRESET[name]} (--tiny: {TINY_PRESET[name]})",
         )
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="warm start from a released family (e.g. kvserve/assets/models): reuse its "
+        "tokenizer and target / draft weights, skip tokenizer training and pre-training; "
+        "continued training (files + stop examples), chat stage, draft distillation and chat "
+        "stage, a new LoRA adapter. Unset flags take WARM_PRESET's values (not with --tiny)",
+    )
     args = p.parse_args(argv)
     preset = TINY_PRESET if args.tiny else FULL_PRESET
+    if args.init_from is not None and not args.tiny:
+        preset = {**preset, **WARM_PRESET}
     for name, value in preset.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
@@ -1759,7 +1945,11 @@ def prepare_data(
         )
     log(f"docstrings: --docstrings {args.docstrings}, {docstrings_s:.1f}s ({workers} workers)")
     t0 = time.monotonic()
-    tok = train_tokenizer(corpus.texts("train"), args.vocab_size)
+    if args.init_from is not None:
+        tok = load_released_tokenizer(released_dirs(args.init_from)["target"])
+        args.vocab_size = tok.get_vocab_size()
+    else:
+        tok = train_tokenizer(corpus.texts("train"), args.vocab_size)
     tokenizer_s = time.monotonic() - t0
     log(f"tokenizer: vocab {tok.get_vocab_size()} in {tokenizer_s:.1f}s")
     t0 = time.monotonic()
@@ -1931,11 +2121,18 @@ def train_base_model(
     size: ModelSize = args.target if is_target else args.draft
     own = args.target_minutes if is_target else args.draft_minutes
     own_sft = args.sft_minutes if is_target else args.draft_sft_minutes
-    later = args.draft_sft_minutes + args.lora_minutes
+    later = args.lora_minutes  # the phases after this model's chat stage
     if is_target:
-        later += args.sft_minutes + args.draft_minutes
+        later += args.draft_minutes + args.draft_sft_minutes
     seed_everything(args.seed + (0 if is_target else 1))
-    model = build_model(size, args.vocab_size, MAX_POSITIONS, tok).to(torch.device(args.device))
+    if args.init_from is not None:
+        released = released_dirs(args.init_from)[key]
+        model, size = load_released_model(released, tok)
+        setattr(args, key, size)  # the card and train_log.json describe what was trained
+        log(f"{key}: starting from {released}")
+    else:
+        model = build_model(size, args.vocab_size, MAX_POSITIONS, tok)
+    model = model.to(torch.device(args.device))
     spec = phase_spec(
         args,
         key,
@@ -2028,6 +2225,12 @@ def train_lora(
     seed_everything(args.seed + 2)
     lora_model = copy.deepcopy(target)
     wrapped = add_lora(lora_model, targets, args.lora_rank, args.lora_alpha)
+    released = None if args.init_from is None else args.init_from / name
+    if released is not None and (released / "adapter_model.safetensors").is_file():
+        load_adapter(wrapped, released)  # warm start: the released adapter, retrained below
+        log(f"lora: starting from {released}")
+    else:
+        released = None
     spec = phase_spec(
         args,
         "lora",
@@ -2048,7 +2251,11 @@ def train_lora(
     )
     trainable = sum(p.numel() for p in lora_model.parameters() if p.requires_grad)
     phase_log.update(
-        num_params=trainable, targets=targets, rank=args.lora_rank, alpha=args.lora_alpha
+        num_params=trainable,
+        targets=targets,
+        rank=args.lora_rank,
+        alpha=args.lora_alpha,
+        init_from=None if released is None else str(released),
     )
     write_adapter(out / name, wrapped, targets, args.lora_rank, args.lora_alpha, target_name)
     save_tokenizer(tok, out / name)
@@ -2176,9 +2383,27 @@ def evaluate_all(
     return res
 
 
+def init_info(root: Path | None) -> dict[str, Any] | None:
+    """What a warm start began from: directory names, weight hashes, the card's pre-training."""
+    if root is None:
+        return None
+    dirs = released_dirs(root)
+    card = dirs["target"] / "README.md"
+    return {
+        "path": str(root),
+        **{key: d.name for key, d in dirs.items()},
+        **{
+            f"{key}_sha256": hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()
+            for key, d in dirs.items()
+        },
+        "card_sections": previous_card_sections(card.read_text()) if card.is_file() else "",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     deadline = Deadline(args.time_limit_minutes * 60)
+    init = init_info(args.init_from)  # before --out (which may be the same place) is written
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
@@ -2188,11 +2413,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    device_name = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu"
-    )
+    device_name = device_description(device)
     python = platform.python_version()
     log(f"device {device} ({device_name}), torch {torch.__version__}, python {python}")
 
@@ -2234,6 +2455,10 @@ def main(argv: list[str] | None = None) -> int:
         "bos_window_share": args.bos_window_share,
         "unit_window_share": args.unit_window_share,
         "precision": "bf16 autocast" if device.type == "cuda" else "float32",
+        "init_from": init,
+        "heldout_windows": args.heldout_windows,
+        "batch_size": args.batch_size,
+        "target_lr": args.target_lr,
         "eval_s": eval_s,
         "total_s": deadline.elapsed(),
         "errors": errors,
@@ -2257,7 +2482,10 @@ def main(argv: list[str] | None = None) -> int:
         small_card(
             names["lora"],
             f"PEFT LoRA adapter (r={args.lora_rank}, alpha={args.lora_alpha}, "
-            f"{args.lora_targets}) for `{names['target']}`, fine-tuned on CPython's test files. "
+            f"{args.lora_targets}) for `{names['target']}`, fine-tuned on CPython's test files"
+            + (" (continued from the previous release's adapter)"
+               if metrics["lora"].get("init_from") else "")
+            + ". "
             f"Held-out test-file loss {fmt(metrics['lora'].get('heldout_loss_base'))} without, "
             f"{fmt(metrics['lora'].get('heldout_loss_lora'))} with the adapter.",
         )

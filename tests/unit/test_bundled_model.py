@@ -59,13 +59,17 @@ def test_logits_match_transformers(name: str) -> None:
 def test_greedy_32_tokens_match_transformers(name: str) -> None:
     path = bundled_model_path(name)
     llm = LLM(model=str(path))
-    [out] = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
-                         use_tqdm=False)
+    # no repetition penalty on either side: generation_config.json's default (1.3) is not
+    # what this compares
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
+                            repetition_penalty=1.0)
+    [out] = llm.generate(PROMPT, params, use_tqdm=False)
     prompt_ids = out.prompt_token_ids
     model = hf_model(path)
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         hf = model.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False,
+                            repetition_penalty=1.0,
                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
     assert out.outputs[0].token_ids == hf[0, len(prompt_ids):].tolist()
 

@@ -104,6 +104,7 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int = 32) -> list[i
         out = hf_model(path).generate(
             torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+            repetition_penalty=1.0,  # not generation_config.json's default: GREEDY_32 has none
         )
     return out[0, len(prompt):].tolist()
 

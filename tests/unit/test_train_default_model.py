@@ -446,3 +446,82 @@ def test_stop_and_chat_stages_and_kvserve_loads_the_target(run_dir: Path) -> Non
     assert 1 <= len(out.outputs[0].token_ids) <= 4
     reply = llm.chat([{"role": "user", "content": "Return x."}], SamplingParams(max_tokens=4))
     assert reply[0].outputs[0].finish_reason in ("stop", "length")
+
+
+# --------------------------------------------------------------------------- warm start
+
+
+@pytest.fixture(scope="module")
+def warm_dir(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """--init-from the tiny run above: its tokenizer, target, draft and adapter continued."""
+    out = tmp_path_factory.mktemp("default_model_warm")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--init-from", str(run_dir),
+         "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    return out
+
+
+def test_released_model_loads_exactly_with_chat_eos(tdm: ModuleType, run_dir: Path) -> None:
+    dirs = tdm.released_dirs(run_dir)
+    cold = model_dirs(run_dir)
+    assert dirs == {"target": cold["target"], "draft": cold["draft"]}
+    tok = tdm.load_released_tokenizer(dirs["target"])
+    model, size = tdm.load_released_model(dirs["draft"], tok)
+    assert model.config.eos_token_id == [1, 6]
+    assert size.hidden_size == model.config.hidden_size
+    with safe_open(str(dirs["draft"] / "model.safetensors"), "pt") as f:
+        state = model.state_dict()
+        for key in f.keys():  # noqa: SIM118
+            assert torch.equal(state[key], f.get_tensor(key).float()), key
+    with pytest.raises(SystemExit, match="expected one kvserve-code-"):
+        tdm.released_dirs(run_dir / "kvserve-code-lora-tests")
+
+
+@pytest.mark.slow
+def test_warm_start_continues_the_released_family(
+    tdm: ModuleType, run_dir: Path, warm_dir: Path
+) -> None:
+    cold, warm = model_dirs(run_dir), model_dirs(warm_dir)
+    assert {k: d.name for k, d in warm.items()} == {k: d.name for k, d in cold.items()}
+    for key in ("target", "draft", "lora"):  # the tokenizer is reused byte for byte
+        assert (warm[key] / "tokenizer.json").read_bytes() == (
+            cold["target"] / "tokenizer.json"
+        ).read_bytes()
+    metrics = json.loads((warm_dir / "metrics.json").read_text())
+    assert metrics["errors"] == {}
+    init = metrics["init_from"]
+    assert init["path"] == str(run_dir) and init["target"] == cold["target"].name
+    import hashlib
+
+    for key in ("target", "draft"):
+        digest = hashlib.sha256((cold[key] / "model.safetensors").read_bytes()).hexdigest()
+        assert init[f"{key}_sha256"] == digest
+        assert metrics[key]["sft"]["steps"] > 0
+        # started from the released weights: at the same step a warm model's validation
+        # loss is below the cold run's, which began from random weights
+        cold_log = json.loads((run_dir / "train_log.json").read_text())["phases"][key]
+        warm_log = json.loads((warm_dir / "train_log.json").read_text())["phases"][key]
+        first = lambda log: next(h for h in log["history"] if "val_loss" in h)  # noqa: E731
+        assert first(warm_log)["step"] == first(cold_log)["step"]
+        assert first(warm_log)["val_loss"] < first(cold_log)["val_loss"]
+    assert metrics["lora"]["init_from"] == str(run_dir / "kvserve-code-lora-tests")
+    args = json.loads((warm_dir / "train_log.json").read_text())["args"]
+    assert args["init_from"] == str(run_dir)
+    # the split rule is the released one: nothing held out by it is trained on
+    corpus = json.loads((warm_dir / "corpus.json").read_text())
+    train = corpus["splits"]["train"]["files"]
+    assert train and all(tdm.classify(rel) == "train" for rel in train)
+    assert not set(train) & set(corpus["splits"]["heldout"]["files"])
+    card = (warm["target"] / "README.md").read_text()
+    for needle in ("from a warm start", "Warm start (`--init-from`)", metrics["device_name"],
+                   "the starting checkpoint's, unchanged",
+                   "## Starting checkpoint (pre-training, from its card)", "### Corpus"):
+        assert needle in card, needle
+    config = json.loads((warm["target"] / "config.json").read_text())
+    assert config["eos_token_id"] == [1, 6]
