@@ -212,24 +212,24 @@ class MultiprocExecutor:
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load an adapter on every rank; the first rank's ValueError is raised."""
-        call_id = next(self._call_ids)
-        self._replies[call_id] = {}
-        self._broadcast(("add_lora", call_id, lora_request))
-        while len(self._replies[call_id]) < self.layout.world_size:
-            self._dispatch(self._receive(deadline=time.monotonic() + self.timeout_s))
-        errors = [e for _, e in sorted(self._replies.pop(call_id).items()) if e is not None]
+        errors = [e for _, e in sorted(self._call("add_lora", lora_request).items())
+                  if e is not None]
         if errors:
             raise ValueError(errors[0])
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter on every rank; False if the first rank did not know it."""
+        replies = self._call("remove_lora", lora_int_id)
+        return replies[min(replies)] is None
+
+    def _call(self, kind: str, argument: Any) -> dict[int, str | None]:
+        """Send a call to every rank and wait for each rank's reply (by rank)."""
         call_id = next(self._call_ids)
         self._replies[call_id] = {}
-        self._broadcast(("remove_lora", call_id, lora_int_id))
+        self._broadcast((kind, call_id, argument))
         while len(self._replies[call_id]) < self.layout.world_size:
             self._dispatch(self._receive(deadline=time.monotonic() + self.timeout_s))
-        replies = self._replies.pop(call_id)
-        return replies[min(replies)] is None
+        return self._replies.pop(call_id)
 
     def kv_transfer_stats(self) -> dict[str, float]:
         """The host tier's copies over all ranks, as of the last step read:
