@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from kvserve.bench.report import run_parts
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "llama-3-8b"
 BLOCK_SIZE = 16
@@ -242,25 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preempt-len", type=int, default=512, help="prompt and output tokens")
     parser.add_argument("--max-model-len", type=int, default=8192)
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {}
-    for part in args.parts.split(","):
-        if part == "multiturn":
-            results[part] = multiturn_part(args)
-        elif part == "w2":
-            results[part] = w2_part(args, out)
-        elif part == "preemption":
-            results[part] = preemption_part(args)
-        else:
-            raise SystemExit(f"--parts: unknown part {part!r}; known: multiturn, w2, preemption")
-        (out / f"{part}.json").write_text(json.dumps(results[part], indent=2) + "\n")
-    env = {"torch": torch.__version__,
-           "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    (out / "summary.json").write_text(json.dumps({"env": env, **results}, indent=2) + "\n")
-    print(f"\nhost KV tier ({env['card']}, torch {env['torch']})\n")
-    print(table(results))
-    return 0
+    return run_parts(Path(args.out), args.parts, {
+        "multiturn": lambda: multiturn_part(args),
+        "w2": lambda: w2_part(args, Path(args.out)),
+        "preemption": lambda: preemption_part(args)}, "host KV tier", table)
 
 
 if __name__ == "__main__":

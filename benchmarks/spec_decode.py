@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from kvserve.bench.report import run_parts
+
 REPO = Path(__file__).resolve().parents[1]
 ALPHAS = (0.6, 0.8, 0.95)
 KS = (2, 4, 6)
@@ -340,25 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eagle-head", default=None)
     parser.add_argument("--w2-spec", default='{"method": "ngram", "num_speculative_tokens": 4}')
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {}
-    for part in args.parts.split(","):
-        if part == "oracle":
-            results["oracle"] = oracle_part(args)
-        elif part == "real":
-            results["real"] = real_part(args)
-        elif part == "w2":
-            results["w2"] = w2_part(args, out)
-        else:
-            raise SystemExit(f"--parts: unknown part {part!r}; known: oracle, real, w2")
-        (out / f"{part}.json").write_text(json.dumps(results[part], indent=2) + "\n")
-    env = {"torch": torch.__version__,
-           "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    (out / "summary.json").write_text(json.dumps({"env": env, **results}, indent=2) + "\n")
-    print(f"\nspeculative decoding ({env['card']}, torch {env['torch']})\n")
-    print(table(results))
-    return 0
+    return run_parts(Path(args.out), args.parts, {
+        "oracle": lambda: oracle_part(args),
+        "real": lambda: real_part(args),
+        "w2": lambda: w2_part(args, Path(args.out))}, "speculative decoding", table)
 
 
 if __name__ == "__main__":

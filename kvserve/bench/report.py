@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import platform
 import subprocess
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -78,3 +79,26 @@ def print_table(title: str, rows: list[tuple[str, str]]) -> None:
     print(f"\n| {title} | |\n|---|---|")
     for label, value in rows:
         print(f"| {label} | {value} |")
+
+
+def run_parts(out: Path, wanted: str, parts: dict[str, Callable[[], Any]], title: str,
+              table: Callable[[dict[str, Any]], str]) -> int:
+    """A benchmark script's parts: each of the comma-separated ``wanted`` run
+    in order, its result in ``out/<part>.json``; then ``out/summary.json``
+    with the card and torch version, and ``table`` of every result printed
+    under ``title``."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    for part in wanted.split(","):
+        if part not in parts:
+            raise SystemExit(f"--parts: unknown part {part!r}; known: {', '.join(parts)}")
+        results[part] = parts[part]()
+        (out / f"{part}.json").write_text(json.dumps(results[part], indent=2) + "\n")
+    env = {"torch": torch.__version__,
+           "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    (out / "summary.json").write_text(json.dumps({"env": env, **results}, indent=2) + "\n")
+    print(f"\n{title} ({env['card']}, torch {env['torch']})\n")
+    print(table(results))
+    return 0
