@@ -346,7 +346,6 @@ def run_llmcompressor_fp8(base: Path, out: Path) -> None:
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.pipelines.cache import IntermediatesCache
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     if not torch.cuda.is_available():
@@ -363,16 +362,25 @@ def run_llmcompressor_fp8(base: Path, out: Path) -> None:
             oneshot(model=model, dataset=Dataset.from_dict({"input_ids": ids}), recipe=recipe,
                     max_seq_length=CALIBRATION_TOKENS, num_calibration_samples=len(ids))
         model.save_pretrained(fixture, save_compressed=True)
-        tensors = load_file(fixture / "model.safetensors")
-        dequantized = {}
-        for key, weight in tensors.items():
-            module = key.rpartition(".")[0]
-            if key.endswith(".weight") and weight.dtype == torch.float8_e4m3fn:
-                scale = tensors[f"{module}.weight_scale"].float()
-                dequantized[module] = weight.float() * scale.reshape(-1, 1)
+        dequantized = per_channel_dequantized(fixture, torch.float8_e4m3fn)
         write_reference(fixture, dequantized, "llm-compressor",
                         ["llmcompressor", "compressed-tensors", "transformers", "torch"],
                         f"QuantizationModifier(scheme={scheme!r}, ignore=['lm_head'])")
+
+
+def per_channel_dequantized(fixture: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Module -> float32 weight of each ``dtype`` weight in the fixture's
+    safetensors, times its per-channel (or per-tensor) ``weight_scale``."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(fixture / "model.safetensors")
+    dequantized = {}
+    for key, weight in tensors.items():
+        module = key.rpartition(".")[0]
+        if key.endswith(".weight") and weight.dtype == dtype:
+            scale = tensors[f"{module}.weight_scale"].float()
+            dequantized[module] = weight.float() * scale.reshape(-1, 1)
+    return dequantized
 
 
 def run_llmcompressor_w8a8(base: Path, out: Path) -> None:
@@ -388,7 +396,6 @@ def run_llmcompressor_w8a8(base: Path, out: Path) -> None:
     from llmcompressor.modifiers.quantization import GPTQModifier
     from llmcompressor.modifiers.transform import SmoothQuantModifier
     from llmcompressor.pipelines.cache import IntermediatesCache
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     if not torch.cuda.is_available():
@@ -402,13 +409,7 @@ def run_llmcompressor_w8a8(base: Path, out: Path) -> None:
     oneshot(model=model, dataset=Dataset.from_dict({"input_ids": ids}), recipe=recipe,
             max_seq_length=CALIBRATION_TOKENS, num_calibration_samples=len(ids))
     model.save_pretrained(fixture, save_compressed=True)
-    tensors = load_file(fixture / "model.safetensors")
-    dequantized = {}
-    for key, weight in tensors.items():
-        module = key.rpartition(".")[0]
-        if key.endswith(".weight") and weight.dtype == torch.int8:
-            scale = tensors[f"{module}.weight_scale"].float()
-            dequantized[module] = weight.float() * scale.reshape(-1, 1)
+    dequantized = per_channel_dequantized(fixture, torch.int8)
     write_reference(fixture, dequantized, "llm-compressor",
                     ["llmcompressor", "compressed-tensors", "transformers", "torch"],
                     "SmoothQuantModifier(smoothing_strength=0.5) + GPTQModifier(scheme='W8A8', "
