@@ -203,6 +203,11 @@ def unrolled_loss(head: EagleHead, target: nn.Module, ids: torch.Tensor, unroll:
     return total, agreement
 
 
+def mixed_precision(device: torch.device) -> torch.autocast:
+    """bf16 autocast on CUDA (the target runs in bf16, the head trains in float32)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def train(args: argparse.Namespace, head: EagleHead, target: nn.Module,
           streams: dict[str, np.ndarray], device: torch.device) -> dict[str, Any]:
     params = [p for p in head.parameters() if p.requires_grad]
@@ -210,7 +215,6 @@ def train(args: argparse.Namespace, head: EagleHead, target: nn.Module,
     rng = np.random.default_rng(args.seed)
     start, step, history = time.monotonic(), 0, []
     budget_s = args.minutes * 60
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     while step < args.max_steps and time.monotonic() - start < budget_s:
         progress = max(step / max(args.max_steps, 1), (time.monotonic() - start) / budget_s)
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi
@@ -218,7 +222,7 @@ def train(args: argparse.Namespace, head: EagleHead, target: nn.Module,
         for group in optimizer.param_groups:
             group["lr"] = lr
         ids = windows(streams["train"], args.seq_len, args.batch_size, rng).to(device)
-        with autocast:
+        with mixed_precision(device):
             loss, agreement = unrolled_loss(head, target, ids, args.unroll, args.ce_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -241,7 +245,8 @@ def heldout_agreement(args: argparse.Namespace, head: EagleHead, target: nn.Modu
     sums = np.zeros(args.unroll)
     for _ in range(args.eval_batches):
         ids = windows(stream, args.seq_len, args.batch_size, rng).to(device)
-        _, agreement = unrolled_loss(head, target, ids, args.unroll, args.ce_weight)
+        with mixed_precision(device):
+            _, agreement = unrolled_loss(head, target, ids, args.unroll, args.ce_weight)
         sums[:len(agreement)] += agreement
     return (sums / args.eval_batches).tolist()
 
