@@ -63,6 +63,16 @@ class WorkerFailedError(RuntimeError):
     """A worker process died, failed or hung; the executor cannot go on."""
 
 
+def control_listener(host: str, authkey: bytes, ranks: int) -> Listener:
+    """The engine's control listener on a free port of ``host``, its queue long
+    enough for every rank's connection: the ranks connect at once while it
+    accepts them one by one (each with an authentication handshake), and with
+    ``Listener``'s default queue of 1 Linux answers the surplus with SYN
+    cookies and then drops their final ACKs, so a rank's ``Client`` believes
+    it is connected and waits for a challenge that never comes."""
+    return Listener((host, 0), authkey=authkey, backlog=max(1, ranks))
+
+
 class RemoteStep:
     """A step sent to the workers; ``get`` waits for the output rank's answer."""
 
@@ -104,7 +114,7 @@ class MultiprocExecutor:
                                     wait_for_workers=False,
                                     timeout=timedelta(seconds=self.timeout_s))
         authkey = os.urandom(32)
-        self._listener = Listener((parallel.master_addr, 0), authkey=authkey)
+        self._listener = control_listener(parallel.master_addr, authkey, self.layout.world_size)
         port = self._listener.address[1]
         self._store.set(CONTROL_KEY, f"{parallel.master_addr}:{port}")
         self._store.set(AUTHKEY_KEY, authkey.hex())
