@@ -325,7 +325,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--unroll", type=int, default=3, help="chained steps trained on")
-    p.add_argument("--ce-weight", type=float, default=0.1)
+    p.add_argument("--ce-weight", type=float, default=1.0)
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--eval-k", type=int, default=4)
