@@ -8,6 +8,7 @@ reST markup; vLLM's spellings parse. Ctrl-C cases are in
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import subprocess
@@ -113,6 +114,19 @@ def test_serve_that_cannot_load_its_model_logs_one_error_and_exits_1(tmp_path: P
     assert "Traceback" not in proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")]
     assert len(errors) == 1 and "loading the model failed: the model's weights need" in errors[0]
+
+
+@pytest.mark.slow
+def test_bench_throughput_measures_and_names_the_engines_cpu_threads(tmp_path: Path) -> None:
+    # torch would take 2 threads from OMP_NUM_THREADS; the engine is told 1
+    result = tmp_path / "result.json"
+    proc = run_cli(tmp_path, "bench", "throughput", "--device", "cpu", "--num-cpu-threads", "1",
+                   "--num-prompts", "2", "--max-input-len", "16", "--max-output-len", "4",
+                   "--disable-tqdm", "--output-json", str(result),
+                   env=cli_env(tmp_path, OMP_NUM_THREADS="2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(result.read_text())["card"].endswith(", 1 thread")
+    assert "| card | CPU " in proc.stdout and ", 1 thread (" in proc.stdout
 
 
 @pytest.mark.slow
