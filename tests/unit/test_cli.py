@@ -89,6 +89,8 @@ def test_generate_too_long_prompt_is_refused_without_echo_or_warning(tmp_path: P
     (["bench", "serve", "--request-rate", "fast"], ["--request-rate=fast"]),
     (["bench", "serve", "--dataset-name", "sharegpt", "--dataset-path", "/no/such.json"],
      ["--dataset-path /no/such.json: no such file"]),
+    (["bench", "serve", "--dataset-name", "sharegpt", "--dataset-path", "/"],
+     ["--dataset-path /: a directory, not a file"]),
     (["serve", "/no/such/dir"], ["'/no/such/dir' is not an existing directory"]),
     (["serve", "model-a", "--model", "model-b"], ["the model is given twice"]),
 ])
