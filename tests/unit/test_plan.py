@@ -367,7 +367,7 @@ def test_speculative_figures_are_labelled_upper_bounds(
     help_text = subprocess.run(
         [sys.executable, "-m", "kvserve.cli", "plan", "--help"], capture_output=True,
         text=True, check=True, timeout=120).stdout
-    assert "upper bound" in help_text
+    assert "the figures are upper bounds: k*alpha + 1 counts every draft token" in help_text
 
 
 # -- the step model -----------------------------------------------------------------------
