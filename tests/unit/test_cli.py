@@ -147,6 +147,27 @@ def test_bench_serve_without_a_server_says_so(tmp_path: Path) -> None:
                           "is the server running?")
 
 
+@pytest.mark.parametrize("command", [["serve"], ["router", "--backend", "http://127.0.0.1:1"]])
+def test_a_port_in_use_is_one_line_before_anything_starts(tmp_path: Path,
+                                                          command: list[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli(tmp_path, *command, "--port", str(port))
+    assert_one_line_error(proc, 1, f"cannot listen on 127.0.0.1:{port}", "Address already in use",
+                          "choose another --port")
+
+
+def test_a_router_whose_backends_never_answer_fails_without_a_traceback(tmp_path: Path) -> None:
+    proc = run_cli(tmp_path, "router", "--backend", f"http://127.0.0.1:{free_port()}",
+                   "--port", str(free_port()), "--startup-timeout-s", "0.5")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "kvserve: error: no backend answered within 0.5 s")
+
+
 def test_an_unexpected_error_is_one_line_with_the_traceback_at_debug(tmp_path: Path) -> None:
     plugin = tmp_path / "boom.py"
     plugin.write_text(
