@@ -141,6 +141,15 @@ def test_a_benchmark_that_froze_its_heap_exits_quietly(tmp_path: Path) -> None:
     assert "leaked" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_chat_names_the_model_and_cpu_threads_first(tmp_path: Path) -> None:
+    proc = run_cli(tmp_path, "chat", "--device", "cpu", "--num-cpu-threads", "1")  # stdin: EOF
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("[kvserve] CPU, 1 thread | model "), first
+    assert first.endswith("kvserve-code-14m"), first
+
+
 def test_bench_serve_without_a_server_says_so(tmp_path: Path) -> None:
     proc = run_cli(tmp_path, "bench", "serve", "--port", str(free_port()), "--num-prompts", "1")
     assert_one_line_error(proc, 1, "cannot reach", "/v1/models", "Connection refused",
