@@ -214,7 +214,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     _check_args(args)
     _take_model_tag(args)
-    if not args.node_rank:  # a worker node of a multi-node engine listens on nothing
+    node_rank = (args.node_rank if args.node_rank is not None
+                 else envs.torchrun_defaults().get("node_rank", 0))
+    if not node_rank:  # a worker node of a multi-node engine listens on nothing
         check_port_free(args.host, args.port)
     engine_args = EngineArgs.from_cli_args(args)
     engine_config = engine_args.create_engine_config()  # a bad --model fails here, exit 2
