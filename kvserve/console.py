@@ -155,7 +155,8 @@ def _engine_parts(engine: LLMEngine) -> list[str]:
 
 def _stats_line(engine: LLMEngine, reply: Reply) -> str:
     decode_s = max(reply.elapsed_s - reply.ttft_s, 1e-9)
-    parts = [f"{reply.num_tokens} tokens in {reply.elapsed_s:.2f} s",
+    plural = "s" if reply.num_tokens != 1 else ""
+    parts = [f"{reply.num_tokens} token{plural} in {reply.elapsed_s:.2f} s",
              f"TTFT {reply.ttft_s * 1e3:.1f} ms",
              f"decode {max(reply.num_tokens - 1, 0) / decode_s:.1f} tok/s",
              *_engine_parts(engine)]

@@ -142,6 +142,15 @@ def test_a_benchmark_that_froze_its_heap_exits_quietly(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_generate_stats_line_counts_in_english(tmp_path: Path) -> None:
+    proc = run_cli(tmp_path, "generate", "--device", "cpu", "--num-cpu-threads", "1",
+                   "--max-tokens", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.startswith("[kvserve] 1 token in "), proc.stderr
+    assert "| CPU, 1 thread |" in proc.stderr
+
+
+@pytest.mark.slow
 def test_chat_names_the_model_and_cpu_threads_first(tmp_path: Path) -> None:
     proc = run_cli(tmp_path, "chat", "--device", "cpu", "--num-cpu-threads", "1")  # stdin: EOF
     assert proc.returncode == 0, proc.stderr[-3000:]
