@@ -3,7 +3,8 @@
 Owns what a person at a terminal sees: the request is validated before
 anything is printed, a prompt longer than about half a screen is not echoed
 whole (its last lines are), the completion streams as it is generated, and
-one stats line goes to stderr. Ctrl-C while a reply streams stops that reply
+one stats line goes to stderr (chat's first line names the model and, on
+the CPU, torch's thread count). Ctrl-C while a reply streams stops that reply
 (the request is aborted between two engine steps, so the engine stays
 consistent); in ``chat`` a second Ctrl-C in a row, Ctrl-D or ``/exit``
 leaves. It must not parse flags (``cli.py`` does) nor know about models.
@@ -141,17 +142,24 @@ def _on_cpu(engine: LLMEngine) -> bool:
     return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
-def _stats_line(engine: LLMEngine, reply: Reply) -> str:
-    decode_s = max(reply.elapsed_s - reply.ttft_s, 1e-9)
-    parts = [f"{reply.num_tokens} tokens in {reply.elapsed_s:.2f} s",
-             f"TTFT {reply.ttft_s * 1e3:.1f} ms",
-             f"decode {max(reply.num_tokens - 1, 0) / decode_s:.1f} tok/s"]
+def _engine_parts(engine: LLMEngine) -> list[str]:
+    """The CPU's thread count (on the CPU) and the model, for a status line."""
+    parts = []
     if _on_cpu(engine):
         import torch
 
         threads = torch.get_num_threads()
         parts.append(f"CPU, {threads} thread{'s' if threads != 1 else ''}")
-    parts.append(f"model {engine.config.model}")
+    return [*parts, f"model {engine.config.model}"]
+
+
+def _stats_line(engine: LLMEngine, reply: Reply) -> str:
+    decode_s = max(reply.elapsed_s - reply.ttft_s, 1e-9)
+    plural = "s" if reply.num_tokens != 1 else ""
+    parts = [f"{reply.num_tokens} token{plural} in {reply.elapsed_s:.2f} s",
+             f"TTFT {reply.ttft_s * 1e3:.1f} ms",
+             f"decode {max(reply.num_tokens - 1, 0) / decode_s:.1f} tok/s",
+             *_engine_parts(engine)]
     if reply.interrupted:
         parts.append("stopped by Ctrl-C")
     return "[kvserve] " + " | ".join(parts)
@@ -196,6 +204,7 @@ def run_chat(args: argparse.Namespace) -> int:
     engine = make_engine(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
+    print("[kvserve] " + " | ".join(_engine_parts(engine)), file=sys.stderr)
     print(CHAT_HELP, file=sys.stderr)
     interrupted = False  # the last thing the user did was Ctrl-C
     while True:

@@ -3,7 +3,8 @@
 ``resolve_engine`` turns the engine flags into a checked configuration
 before anything heavy runs, so a bad flag fails at once. ``start`` measures
 the device's copy and matmul rates in the engine's dtype (in the same process,
-before the engine takes its memory), then builds the engine.
+before the engine takes its memory; on the CPU with the engine's thread count),
+then builds the engine.
 ``ModelFigures`` holds the planner's parameter and KV counts at the engine's
 element size: the bytes one decode step must read (MBU) and the FLOPs per
 token (MFU). ``OfflineBench.result`` assembles the JSON every run writes.
@@ -133,10 +134,13 @@ def start(engine_args: EngineArgs, config: EngineConfig) -> OfflineBench:
     from kvserve.engine.engine_core import freeze_startup_heap
     from kvserve.engine.llm import LLM
     from kvserve.models.loader import resolve_dtype
+    from kvserve.worker.cpu_host import configure_cpu_threads
     from kvserve.worker.executor import resolve_device
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, config.model_config, device)
+    if device.type == "cpu":  # the rates (and the card's name) with the engine's threads
+        configure_cpu_threads(config.num_cpu_threads)
     rates = measure_rates(device, dtype)
     llm = LLM(**dataclasses.asdict(engine_args))
     freeze_startup_heap()  # the benchmark's process owns the engine

@@ -118,7 +118,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                              "counted in the tokens the prefix cache holds")
     spec = parser.add_argument_group(
         "speculative decoding (give all three; the figures are upper bounds: "
-        + SPEC_UPPER_BOUND_NOTE + ")")
+        + SPEC_UPPER_BOUND_NOTE.removeprefix("upper bound: ") + ")")
     spec.add_argument("--spec-k", type=_number(int, 1), help="draft tokens per step")
     spec.add_argument("--spec-alpha", type=_number(float, 0.0, high=1.0),
                       help="acceptance rate of one draft token, in [0, 1]")

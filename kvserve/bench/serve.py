@@ -206,7 +206,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.dataset_name == "sharegpt" and not args.dataset_path:
         raise ValueError("--dataset-name sharegpt needs --dataset-path")
     if args.dataset_path and not Path(args.dataset_path).is_file():
-        raise ValueError(f"--dataset-path {args.dataset_path}: no such file")
+        what = "a directory, not a file" if Path(args.dataset_path).is_dir() else "no such file"
+        raise ValueError(f"--dataset-path {args.dataset_path}: {what}")
 
 
 # ------------------------------------------------------------ datasets

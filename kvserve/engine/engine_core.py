@@ -31,6 +31,7 @@ next step needs the token its previous one samples at the last stage.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import time
 from collections import deque
@@ -251,6 +252,12 @@ def freeze_startup_heap() -> None:
     collection paused a W2 step for 122 ms on an H100 host (vLLM's engine
     core does the same). Only for a process that owns its engine for life
     (the server, the benchmarks): a frozen object that later becomes cyclic
-    garbage is never freed, so an in-process ``LLM`` does not call it."""
+    garbage is never freed, so an in-process ``LLM`` does not call it.
+
+    The heap is unfrozen at exit, so the interpreter's last collections free
+    it: Triton's bindings (nanobind) print some 30 lines about "leaked"
+    objects when their objects are still alive at shutdown."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # registered once, however often this is called
+    atexit.register(gc.unfreeze)

@@ -112,6 +112,9 @@ def _notes(model: ModelConfig, inputs: PlanInputs) -> list[str]:
     if inputs.context > model.max_position_embeddings:
         notes.append(f"context {inputs.context:,} is beyond the model's "
                      f"max_position_embeddings {model.max_position_embeddings:,}")
+    if inputs.has_spec:  # said here too for --json, whose keys carry no label
+        notes.append("spec_tokens_per_step and spec_speedup are upper bounds; the _iid "
+                     "figures are the expectation when acceptance stops at the first rejection")
     return notes
 
 

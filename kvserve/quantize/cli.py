@@ -29,7 +29,9 @@ beside --output and renamed into place at the end: a failed run leaves nothing b
 def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("quantize", help="calibrate a checkpoint to INT8 / INT4 weights",
                             description=DESCRIPTION)
-    parser.add_argument("model", help="checkpoint directory, or a bundled model's name")
+    parser.add_argument("model", help="checkpoint directory, a bundled model's name, or a "
+                                      "Hugging Face hub id (through the hub's cache: HF_HOME, "
+                                      "HF_HUB_OFFLINE, HF_TOKEN)")
     parser.add_argument("--method", required=True, choices=METHODS,
                         help="rtn: round to nearest; gptq: error-correcting rounding from "
                              "calibration activations; awq: activation-aware scales, then rtn; "
@@ -72,11 +74,19 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _model_path(model: str) -> Path:
+    """A local path as it is, then a bundled model's name, then a hub id (its
+    snapshot in the hub's cache, downloaded first if needed)."""
     from kvserve.assets import MODELS_DIR, bundled_model_path
+    from kvserve.models.hub import is_hub_id
+    from kvserve.models.source import resolve_model_path
 
     path = Path(model).expanduser()
-    if not path.exists() and (MODELS_DIR / model).is_dir():
+    if path.exists():
+        return path
+    if (MODELS_DIR / model).is_dir():
         return bundled_model_path(model)
+    if not model.startswith((".", "/", "~")) and is_hub_id(model):
+        return resolve_model_path(model, weights=True)
     return path
 
 

@@ -2,7 +2,8 @@
 
 At start-up every ``--backend`` is probed for up to ``--startup-timeout-s``
 seconds: one that never answers is named in a warning, and when none
-answers the command fails (exit 1) naming them all. SIGTERM or Ctrl-C stops
+answers the command fails (exit 1) naming them all in one line, with no
+traceback; a port that cannot be bound fails first. SIGTERM or Ctrl-C stops
 accepting requests, lets those in flight finish for up to
 ``--shutdown-timeout`` seconds, then exits 0; a second Ctrl-C exits at once.
 ``run_router`` is also what ``kvserve serve --data-parallel-size`` runs in
@@ -171,6 +172,19 @@ class RouterServer(uvicorn.Server):
         self.should_exit = True
 
 
+class _DropStartupTraceback(logging.Filter):
+    """Drops the traceback that Starlette hands uvicorn to log when the
+    start-up check of the backends failed: that failure ends the command in
+    one line (``kvserve: error: ...``) instead."""
+
+    def __init__(self, failure: list[BaseException]) -> None:
+        super().__init__()
+        self.failure = failure
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self.failure and record.getMessage().startswith("Traceback"))
+
+
 def build_state(options: RouterOptions) -> Any:
     """The router's shared state (the tokenizer loaded, the policy built)."""
     import httpx
@@ -219,7 +233,9 @@ def run_router(options: RouterOptions,
     end the wait for the backends with a reason (an OSError)."""
     from kvserve.router.app import build_app
     from kvserve.router.disagg import build_disagg_app
+    from kvserve.server.launcher import check_port_free
 
+    check_port_free(options.host, options.port)
     logging.getLogger("kvserve").setLevel(
         min(logging.getLogger("kvserve").getEffectiveLevel(), logging.INFO))
     built = build_state(options)
@@ -246,11 +262,15 @@ def run_router(options: RouterOptions,
     logger.info("kvserve router: %s policy over %s on http://%s:%d", options.policy,
                 " then ".join(", ".join(state.pool.by_url) for state in states),
                 options.host, options.port)
+    quiet = _DropStartupTraceback(failure)
+    logging.getLogger("uvicorn.error").addFilter(quiet)
     try:
         server.run()
     except SystemExit:  # uvicorn's exit after a failed start-up
         if not failure:
             raise
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
     if failure:
         raise failure[0]
     if not server.started:

@@ -1,9 +1,11 @@
 """``kvserve serve``: flags, start-up, signals and the exit status.
 
 The port is bound before the weights load (probes get 503 "loading" rather
-than a refused connection); a bad ``--model`` still fails at once, because
-the engine configuration is resolved before uvicorn starts (so is each
-``--lora-modules`` adapter's config; its tensors load with the model).
+than a refused connection); a port that cannot be bound (in use,
+privileged) fails first, in one line with exit 1; a bad ``--model`` still
+fails at once, because the engine configuration is resolved before uvicorn
+starts (so is each ``--lora-modules`` adapter's config; its tensors load
+with the model).
 With ``--node-rank N`` (N > 0) of a multi-node parallel engine it
 serves nothing and runs that node's worker processes until node 0 stops.
 SIGTERM (or Ctrl-C) drains: ``/ready`` and new requests get 503 while
@@ -22,9 +24,11 @@ such servers as children behind a ``kvserve router`` (``kvserve/router/data_para
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,6 +143,26 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port={args.port} is invalid: must be in [0, 65535]")
 
 
+def check_port_free(host: str, port: int) -> None:
+    """An ``OSError`` in one line when ``host:port`` cannot be listened on
+    (uvicorn would log its own error after start-up and exit with status 3).
+    Port 0 (any free port) always can."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio binds
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            advice = {errno.EADDRINUSE: "another process is using the port; choose another "
+                                        "--port",
+                      errno.EACCES: "ports below 1024 need privileges; choose another --port"
+                      }.get(exc.errno or 0, "check --host")
+            raise OSError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): {advice}"
+                          ) from exc
+
+
 def _take_model_tag(args: argparse.Namespace) -> None:
     """``kvserve serve MODEL`` is ``--model MODEL``; giving two different models is an error."""
     if args.model_tag is None:
@@ -190,6 +214,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     _check_args(args)
     _take_model_tag(args)
+    node_rank = (args.node_rank if args.node_rank is not None
+                 else envs.torchrun_defaults().get("node_rank", 0))
+    if not node_rank:  # a worker node of a multi-node engine listens on nothing
+        check_port_free(args.host, args.port)
     engine_args = EngineArgs.from_cli_args(args)
     engine_config = engine_args.create_engine_config()  # a bad --model fails here, exit 2
     if args.data_parallel_size != 1:

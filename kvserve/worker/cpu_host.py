@@ -162,8 +162,8 @@ _chosen: dict[int | None, ThreadChoice] = {}
 
 
 def configure_cpu_threads(requested: int | None) -> ThreadChoice:
-    """Set torch's intra-op threads for a CPU engine (decided once per process
-    for each ``requested``) and log the choice."""
+    """Set torch's intra-op threads for a CPU engine (decided and logged once
+    per process for each ``requested``)."""
     import torch
 
     choice = _chosen.get(requested)
@@ -172,7 +172,8 @@ def configure_cpu_threads(requested: int | None) -> ThreadChoice:
         idle = None if requested is not None or env_threads is not None else idle_cores()
         choice = choose_num_threads(requested, env_threads, usable_cores(), idle)
         _chosen[requested] = choice
+        logger.info("CPU: torch uses %d thread%s (%s%s)", choice.num_threads,
+                    "s" if choice.num_threads != 1 else "", choice.reason,
+                    "" if requested is not None else "; --num-cpu-threads to change")
     torch.set_num_threads(choice.num_threads)
-    logger.info("CPU: torch uses %d thread%s (%s; --num-cpu-threads to change)",
-                choice.num_threads, "s" if choice.num_threads != 1 else "", choice.reason)
     return choice

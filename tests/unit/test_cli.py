@@ -8,6 +8,7 @@ reST markup; vLLM's spellings parse. Ctrl-C cases are in
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import subprocess
@@ -88,6 +89,8 @@ def test_generate_too_long_prompt_is_refused_without_echo_or_warning(tmp_path: P
     (["bench", "serve", "--request-rate", "fast"], ["--request-rate=fast"]),
     (["bench", "serve", "--dataset-name", "sharegpt", "--dataset-path", "/no/such.json"],
      ["--dataset-path /no/such.json: no such file"]),
+    (["bench", "serve", "--dataset-name", "sharegpt", "--dataset-path", "/"],
+     ["--dataset-path /: a directory, not a file"]),
     (["serve", "/no/such/dir"], ["'/no/such/dir' is not an existing directory"]),
     (["serve", "model-a", "--model", "model-b"], ["the model is given twice"]),
 ])
@@ -115,10 +118,72 @@ def test_serve_that_cannot_load_its_model_logs_one_error_and_exits_1(tmp_path: P
     assert len(errors) == 1 and "loading the model failed: the model's weights need" in errors[0]
 
 
+@pytest.mark.slow
+def test_bench_throughput_measures_and_names_the_engines_cpu_threads(tmp_path: Path) -> None:
+    # torch would take 2 threads from OMP_NUM_THREADS; the engine is told 1
+    result = tmp_path / "result.json"
+    proc = run_cli(tmp_path, "bench", "throughput", "--device", "cpu", "--num-cpu-threads", "1",
+                   "--num-prompts", "2", "--max-input-len", "16", "--max-output-len", "4",
+                   "--disable-tqdm", "--output-json", str(result),
+                   env=cli_env(tmp_path, OMP_NUM_THREADS="2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(result.read_text())["card"].endswith(", 1 thread")
+    assert "| card | CPU " in proc.stdout and ", 1 thread (" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_benchmark_that_froze_its_heap_exits_quietly(tmp_path: Path) -> None:
+    # the frozen heap is released at exit: Triton's bindings print ~30 lines
+    # about "leaked" objects when they are still alive at interpreter shutdown
+    proc = run_cli(tmp_path, "bench", "throughput", "--device", "cpu", "--num-prompts", "2",
+                   "--max-input-len", "16", "--max-output-len", "4", "--disable-tqdm")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "leaked" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_generate_stats_line_counts_in_english(tmp_path: Path) -> None:
+    proc = run_cli(tmp_path, "generate", "--device", "cpu", "--num-cpu-threads", "1",
+                   "--max-tokens", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.startswith("[kvserve] 1 token in "), proc.stderr
+    assert "| CPU, 1 thread |" in proc.stderr
+
+
+@pytest.mark.slow
+def test_chat_names_the_model_and_cpu_threads_first(tmp_path: Path) -> None:
+    proc = run_cli(tmp_path, "chat", "--device", "cpu", "--num-cpu-threads", "1")  # stdin: EOF
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("[kvserve] CPU, 1 thread | model "), first
+    assert first.endswith("kvserve-code-14m"), first
+
+
 def test_bench_serve_without_a_server_says_so(tmp_path: Path) -> None:
     proc = run_cli(tmp_path, "bench", "serve", "--port", str(free_port()), "--num-prompts", "1")
     assert_one_line_error(proc, 1, "cannot reach", "/v1/models", "Connection refused",
                           "is the server running?")
+
+
+@pytest.mark.parametrize("command", [["serve"], ["router", "--backend", "http://127.0.0.1:1"]])
+def test_a_port_in_use_is_one_line_before_anything_starts(tmp_path: Path,
+                                                          command: list[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli(tmp_path, *command, "--port", str(port))
+    assert_one_line_error(proc, 1, f"cannot listen on 127.0.0.1:{port}", "Address already in use",
+                          "choose another --port")
+
+
+def test_a_router_whose_backends_never_answer_fails_without_a_traceback(tmp_path: Path) -> None:
+    proc = run_cli(tmp_path, "router", "--backend", f"http://127.0.0.1:{free_port()}",
+                   "--port", str(free_port()), "--startup-timeout-s", "0.5")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "kvserve: error: no backend answered within 0.5 s")
 
 
 def test_an_unexpected_error_is_one_line_with_the_traceback_at_debug(tmp_path: Path) -> None:

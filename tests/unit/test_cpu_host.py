@@ -4,6 +4,8 @@ a model that cannot fit in memory (with the numbers)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -59,14 +61,19 @@ def test_host_readings_are_plausible() -> None:
         assert 0 < available <= total
 
 
-def test_configure_sets_torch_threads_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_configure_sets_torch_threads_once_per_request(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
     before = torch.get_num_threads()
     monkeypatch.setattr(cpu_host, "_chosen", {})
     try:
-        assert cpu_host.configure_cpu_threads(1).reason == "--num-cpu-threads"
+        with caplog.at_level(logging.INFO, logger=cpu_host.__name__):
+            assert cpu_host.configure_cpu_threads(1).reason == "--num-cpu-threads"
+            assert cpu_host.configure_cpu_threads(1).num_threads == 1
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+    # logged once, and the flag that chose it is not offered as the way to change it
+    assert caplog.messages == ["CPU: torch uses 1 thread (--num-cpu-threads)"]
 
 
 def test_cpu_kv_pool_is_sized_for_the_model(monkeypatch: pytest.MonkeyPatch) -> None:

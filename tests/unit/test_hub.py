@@ -3,7 +3,7 @@
 ``refs/main``) resolved through the real ``huggingface_hub``; the errors
 when a model is not cached, a revision is missing, the hub cannot be
 reached (an endpoint on a closed local port: refused at once) or refuses
-access; and a generate from the cache with ``HF_HOME`` and
+access; and a generate and a quantize from the cache with ``HF_HOME`` and
 ``HF_HUB_OFFLINE=1``. No test can reach the network."""
 
 from __future__ import annotations
@@ -203,6 +203,24 @@ def test_generate_from_the_hub_cache_with_hf_home_offline(
     assert proc.stdout.startswith("hello") and f"model {REPO_ID}" in proc.stderr
     missing = subprocess.run([*command[:5], "org/absent"], capture_output=True, text=True,
                              timeout=180, cwd=REPO_ROOT, env=env)
+    assert_one_line_error(missing, 2, "'org/absent'", "HF_HUB_OFFLINE=1")
+
+
+@pytest.mark.slow
+def test_quantize_reads_a_hub_model_from_the_cache(
+        tmp_path: Path, tiny_checkpoint: Callable[..., Path]) -> None:
+    env = cli_env(tmp_path)
+    write_hub_cache(Path(env["HF_HOME"]) / "hub", REPO_ID, tiny_checkpoint("llama", True))
+    output = tmp_path / "int4"
+    command = [sys.executable, "-m", "kvserve.cli", "quantize", REPO_ID, "--method", "rtn",
+               "--group-size", "32", "--output", str(output)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=REPO_ROOT,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (output / "config.json").is_file() and list(output.glob("*.safetensors"))
+    command[4] = "org/absent"
+    missing = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                             cwd=REPO_ROOT, env=env)
     assert_one_line_error(missing, 2, "'org/absent'", "HF_HUB_OFFLINE=1")
 
 

@@ -219,6 +219,8 @@ def test_json_has_every_key_and_the_inputs(capsys: pytest.CaptureFixture[str]) -
     assert data["bound"] in ("memory", "compute")
     assert isinstance(data["fits"], bool)
     assert data["spec_speedup"] == pytest.approx(2.92, rel=0.01)
+    assert any(note.startswith("spec_tokens_per_step and spec_speedup are upper bounds")
+               for note in data["notes"])
 
 
 def test_table_shows_every_key(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -367,7 +369,7 @@ def test_speculative_figures_are_labelled_upper_bounds(
     help_text = subprocess.run(
         [sys.executable, "-m", "kvserve.cli", "plan", "--help"], capture_output=True,
         text=True, check=True, timeout=120).stdout
-    assert "upper bound" in help_text
+    assert "the figures are upper bounds: k*alpha + 1 counts every draft token" in help_text
 
 
 # -- the step model -----------------------------------------------------------------------
