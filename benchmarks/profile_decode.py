@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rows", type=int, default=25, help="kernels listed")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_decode.py lists CUDA kernels: it needs a CUDA device", file=sys.stderr)
+        return 2
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**dataclasses.asdict(engine_args))
     vocab_size = llm.engine.config.model_config.vocab_size  # type: ignore[attr-defined]

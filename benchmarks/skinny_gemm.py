@@ -131,7 +131,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-sweep", action="store_true", help="time the default config only")
     parser.add_argument("--json", default=None, help="also write every result to this file")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)),
+                        help="comma-separated row counts (a verify step at k = 4 has 5)")
     args = parser.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
     card = cuda_card()
     if card is None:
         return 2
@@ -144,7 +147,7 @@ def main() -> int:
         num_copies = -(-ROTATION_BYTES // (n * k * DTYPE.itemsize))
         weights = [(0.02 * torch.randn(n, k, device="cuda")).to(DTYPE)
                    for _ in range(num_copies)]
-        for rows in ROWS:
+        for rows in rows_list:
             cases.append(run_case(shape, weights, rows, not args.no_sweep, num_sms))
         del weights
         torch.cuda.empty_cache()
