@@ -84,6 +84,15 @@ class RemoteStep:
         return self.executor.output_of(self.step_id)
 
 
+def startup_error(rank: int, message: tuple[Any, ...]) -> BaseException:
+    """The exception a rank's ``startup_error`` message stands for: its ValueError
+    (the model does not fit, a bad flag) as one, anything else as a failure."""
+    _, _, kind, text = message
+    if kind == "ValueError":
+        return ValueError(text)
+    return WorkerFailedError(f"rank {rank} failed to start: {kind}: {text}")
+
+
 class MultiprocExecutor:
     """Worker processes of a parallel split, driven from this process."""
 
@@ -169,7 +178,7 @@ class MultiprocExecutor:
         deadline = time.monotonic() + self.timeout_s
         while thread.is_alive():
             thread.join(0.2)
-            self._check_processes()
+            self._check_started(accepted)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world)) - set(accepted))
                 raise WorkerFailedError(
@@ -189,11 +198,25 @@ class MultiprocExecutor:
                 if message[0] == "ready":
                     figures[rank] = message[2]
                 elif message[0] == "startup_error":
-                    _, _, kind, text = message
-                    if kind == "ValueError":
-                        raise ValueError(text)
-                    raise WorkerFailedError(f"rank {rank} failed to start: {kind}: {text}")
+                    raise startup_error(rank, message)
         return [figures[rank] for rank in range(self.layout.world_size)]
+
+    def _check_started(self, accepted: dict[int, Connection]) -> None:
+        """While ranks still connect: a worker that has exited after reporting its
+        start-up error (it connected, then failed to build) raises that error;
+        any other exit raises its death notice."""
+        for worker in self.workers:
+            if worker.process.is_alive():
+                continue
+            conn = accepted.get(worker.rank)
+            if conn is not None and conn.poll():
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    message = ("",)
+                if message[0] == "startup_error":
+                    raise startup_error(worker.rank, message)
+            self._fail(self._death_notice(worker.rank))
 
     # ------------------------------------------------------------ steps
 

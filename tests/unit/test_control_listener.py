@@ -1,6 +1,8 @@
-"""The parallel executor's control listener takes every rank's connection when
-the ranks connect at once, before it accepts the first (8 ranks on a 2-core
-machine start together while the engine is busy): none may be lost.
+"""The parallel executor's start-up: its control listener takes every rank's
+connection when the ranks connect at once, before it accepts the first (8
+ranks on a 2-core machine start together while the engine is busy): none may
+be lost; and a rank that reports its start-up error and exits while others
+still connect is reported by that error, not by its exit.
 
 With a listen queue of one, Linux answers the surplus connections with SYN
 cookies and drops their final ACKs once the queue is full; such a rank's
@@ -12,12 +14,18 @@ from __future__ import annotations
 import os
 import threading
 import time
+from multiprocessing import Pipe
 from multiprocessing.connection import Connection
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
-from kvserve.worker.multiproc_executor import control_listener
+from kvserve.worker.multiproc_executor import (
+    MultiprocExecutor,
+    WorkerFailedError,
+    control_listener,
+)
 from kvserve.worker.worker import AUTHKEY_KEY, CONTROL_KEY, connect_control
 
 
@@ -48,3 +56,38 @@ def test_every_rank_connecting_at_once_is_accepted(ranks: int) -> None:
     assert {kind for kind, _, _ in hellos} == {"hello"}
     for conn in clients:
         conn.close()
+
+
+def exited_worker(rank: int) -> SimpleNamespace:
+    process = SimpleNamespace(is_alive=lambda: False, join=lambda timeout=None: None,
+                              exitcode=1, pid=4242)
+    return SimpleNamespace(rank=rank, process=process)
+
+
+def executor_with(workers: list[SimpleNamespace]) -> MultiprocExecutor:
+    executor = object.__new__(MultiprocExecutor)
+    executor.workers = workers  # type: ignore[assignment]
+    executor.failure = None
+    executor.conns = []
+    executor.shutdown = lambda kill=False: None  # type: ignore[method-assign]
+    return executor
+
+
+@pytest.mark.parametrize(("kind", "raised"), [("ValueError", ValueError),
+                                              ("RuntimeError", WorkerFailedError)])
+def test_a_rank_that_reported_its_start_up_error_is_reported_by_it(
+        kind: str, raised: type[BaseException]) -> None:
+    engine_end, worker_end = Pipe()
+    worker_end.send(("startup_error", 1, kind, "attention_backend: unknown backend 'nope'"))
+    executor = executor_with([exited_worker(1)])
+    with pytest.raises(raised, match="unknown backend 'nope'"):
+        executor._check_started({1: engine_end})
+
+
+def test_a_rank_that_exited_without_a_word_is_reported_by_its_exit() -> None:
+    engine_end, _ = Pipe()
+    executor = executor_with([exited_worker(1)])
+    with pytest.raises(WorkerFailedError, match=r"worker rank 1 .* exited with code 1"):
+        executor._check_started({1: engine_end})
+    with pytest.raises(WorkerFailedError, match="exited with code 1"):
+        executor_with([exited_worker(0)])._check_started({})
