@@ -231,9 +231,9 @@ def run_router(options: RouterOptions,
                startup_abort: Callable[[], str | None] = lambda: None) -> int:
     """Serve until SIGTERM / Ctrl-C; the exit status. ``startup_abort`` may
     end the wait for the backends with a reason (an OSError)."""
+    from kvserve.net import check_port_free
     from kvserve.router.app import build_app
     from kvserve.router.disagg import build_disagg_app
-    from kvserve.server.launcher import check_port_free
 
     check_port_free(options.host, options.port)
     logging.getLogger("kvserve").setLevel(

@@ -24,16 +24,15 @@ such servers as children behind a ``kvserve router`` (``kvserve/router/data_para
 from __future__ import annotations
 
 import argparse
-import errno
 import functools
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve import envs
+from kvserve.net import check_port_free
 from kvserve.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -141,26 +140,6 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}={value} is invalid: must be >= 0")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} is invalid: must be in [0, 65535]")
-
-
-def check_port_free(host: str, port: int) -> None:
-    """An ``OSError`` in one line when ``host:port`` cannot be listened on
-    (uvicorn would log its own error after start-up and exit with status 3).
-    Port 0 (any free port) always can."""
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio binds
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            advice = {errno.EADDRINUSE: "another process is using the port; choose another "
-                                        "--port",
-                      errno.EACCES: "ports below 1024 need privileges; choose another --port"
-                      }.get(exc.errno or 0, "check --host")
-            raise OSError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): {advice}"
-                          ) from exc
 
 
 def _take_model_tag(args: argparse.Namespace) -> None:
