@@ -7,8 +7,10 @@ printing; ``planner.py`` turns counts into a plan, ``step_model.py`` into
 predicted times. The formulas are written out in docs/plan.md.
 
 All byte and FLOP figures are per GPU: weights and KV are split ``tp`` ways
-(KV by whole heads, so with fewer KV heads than ``tp`` each GPU keeps one
-replicated head, as tensor-parallel engines do). Communication is ignored.
+as the engine splits them (``count_params(model, tp)``: KV heads whole, so
+with fewer KV heads than ``tp`` each GPU keeps one replicated head of the
+cache and of the k and v projections; norms whole on every GPU). The
+matmul FLOPs follow the weights. Communication is ignored.
 """
 
 from __future__ import annotations
@@ -192,25 +194,35 @@ def check_tp(model: ModelConfig, tp: int) -> None:
                                 f"sizes this model can use: {allowed}")
 
 
+def _check_rank_params(params: ParamCount, inputs: PlanInputs) -> None:
+    if params.tp != inputs.tp:
+        raise ValueError(f"params counted for tp={params.tp} but the plan is for "
+                         f"--tp {inputs.tp}: pass count_params(model, {inputs.tp})")
+
+
 def weight_bytes(params: ParamCount, inputs: PlanInputs) -> float:
-    """Bytes of all weights on one GPU (the memory footprint)."""
+    """Bytes of all weights on one GPU (the memory footprint); ``params`` is
+    one rank's count, ``count_params(model, inputs.tp)``."""
+    _check_rank_params(params, inputs)
     quantized = params.linear * WEIGHT_DTYPE_BYTES[inputs.weights]
-    return (quantized + (params.total - params.linear) * UNQUANTIZED_BYTES) / inputs.tp
+    return quantized + (params.total - params.linear) * UNQUANTIZED_BYTES
 
 
 def weight_read_bytes(params: ParamCount, inputs: PlanInputs) -> float:
-    """Bytes of weights one forward pass reads on one GPU.
+    """Bytes of weights one forward pass reads on one GPU (``params`` one rank's).
 
     The embedding lookup is a gather of a few rows, so an untied embedding
     table is not read; a tied one is read once, by the logits matmul.
     """
     skipped = params.embedding if params.lm_head else 0
-    return weight_bytes(params, inputs) - skipped * UNQUANTIZED_BYTES / inputs.tp
+    return weight_bytes(params, inputs) - skipped * UNQUANTIZED_BYTES
 
 
 def lm_head_bytes(params: ParamCount, inputs: PlanInputs) -> float:
-    """Bytes of the logits matmul's weights on one GPU (16-bit, tied or not)."""
-    return params.vocab_matmul * UNQUANTIZED_BYTES / inputs.tp
+    """Bytes of the logits matmul's weights on one GPU (16-bit, tied or not;
+    ``params`` one rank's)."""
+    _check_rank_params(params, inputs)
+    return params.vocab_matmul * UNQUANTIZED_BYTES
 
 
 def kv_bytes_per_token(model: ModelConfig, inputs: PlanInputs) -> int:
@@ -251,8 +263,8 @@ def _attention_flops_per_key(model: ModelConfig, inputs: PlanInputs) -> float:
 def decode_cost(model: ModelConfig, inputs: PlanInputs) -> Cost:
     """One decode step: every request adds a token attending to ``context``.
     Its bytes are what MBU is taken over (``utilization.mbu``)."""
-    params = count_params(model)
-    matmul = 2.0 * (params.linear_active + params.vocab_matmul) / inputs.tp
+    params = count_params(model, inputs.tp)
+    matmul = 2.0 * (params.linear_active + params.vocab_matmul)
     attention = _attention_flops_per_key(model, inputs) * inputs.context
     kv_bytes = kv_bytes_per_token(model, inputs) * inputs.context * inputs.batch
     return Cost(
@@ -266,9 +278,9 @@ def prefill_cost(model: ModelConfig, inputs: PlanInputs) -> Cost:
 
     Causal attention: query i sees i + 1 keys, P(P + 1)/2 pairs in all.
     """
-    params = count_params(model)
+    params = count_params(model, inputs.tp)
     prompt = inputs.prompt
-    matmul = 2.0 * (params.linear_active * prompt + params.vocab_matmul) / inputs.tp
+    matmul = 2.0 * (params.linear_active * prompt + params.vocab_matmul)
     attention = _attention_flops_per_key(model, inputs) * prompt * (prompt + 1) / 2
     kv_written = kv_bytes_per_token(model, inputs) * prompt
     return Cost(flops=matmul + attention, bytes=weight_read_bytes(params, inputs) + kv_written)

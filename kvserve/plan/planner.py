@@ -126,7 +126,7 @@ def compute_plan(model: ModelConfig, hardware: Hardware, inputs: PlanInputs,
     check_tp(model, inputs.tp)
     k = constants or constants_for(hardware.name)
     params = count_params(model)
-    weights = weight_bytes(params, inputs)
+    weights = weight_bytes(count_params(model, inputs.tp), inputs)
     per_token = kv_bytes_per_token(model, inputs)
     per_request = per_token * inputs.context
     total = per_request * inputs.batch

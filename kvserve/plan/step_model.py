@@ -181,9 +181,9 @@ def decode_step(model: ModelConfig, inputs: PlanInputs, hardware: Hardware, k: S
     """One decode step of ``inputs.batch`` requests attending to ``inputs.context``
     tokens each; ``tokens_per_request`` > 1 is a speculative verify step
     (1 + k tokens per request, each sampled)."""
-    params = count_params(model)
+    params = count_params(model, inputs.tp)
     batch, rows = inputs.batch, inputs.batch * tokens_per_request
-    gemm_flops = 2.0 * rows * (params.linear_active + params.vocab_matmul) / inputs.tp
+    gemm_flops = 2.0 * rows * (params.linear_active + params.vocab_matmul)
     gemm = _gemm_s(weight_read_bytes(params, inputs), gemm_flops, rows, hardware, k)
     streams = batch * math.ceil(model.num_kv_heads / inputs.tp)
     kv_share = k.attention_bandwidth_share * streams / (streams + k.attention_half_streams)
@@ -203,7 +203,7 @@ def prefill_time(model: ModelConfig, inputs: PlanInputs, hardware: Hardware, k: 
     """One request's ``inputs.prompt`` tokens to its first token, on an idle
     engine: chunks of ``chunk_tokens``, each streaming the decoder's weights,
     the logits matmul once at the end."""
-    params = count_params(model)
+    params = count_params(model, inputs.tp)
     head_bytes = lm_head_bytes(params, inputs)
     layer_bytes = weight_read_bytes(params, inputs) - head_bytes
     prompt = inputs.prompt
@@ -211,9 +211,8 @@ def prefill_time(model: ModelConfig, inputs: PlanInputs, hardware: Hardware, k: 
     gemm = 0.0
     for index in range(num_chunks):
         rows = min(chunk_tokens, prompt - index * chunk_tokens)
-        gemm += _gemm_s(layer_bytes, 2.0 * rows * params.linear_active / inputs.tp, rows,
-                        hardware, k)
-    gemm += _gemm_s(head_bytes, 2.0 * params.vocab_matmul / inputs.tp, 1, hardware, k)
+        gemm += _gemm_s(layer_bytes, 2.0 * rows * params.linear_active, rows, hardware, k)
+    gemm += _gemm_s(head_bytes, 2.0 * params.vocab_matmul, 1, hardware, k)
     attention_flops = (4.0 * model.num_layers * model.num_heads * model.head_dim / inputs.tp
                        * prompt * (prompt + 1) / 2)
     attention = (attention_flops / (k.prefill_attention_share * hardware.matmul_flops_s)

@@ -10,7 +10,6 @@ off, identical between batch 1 and batch 64, and close to bfloat16."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 from kvserve.quant import int8
+from tests import quant_cases as cases
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,13 +28,11 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("rows,k", [(1, 4096), (7, 4096), (300, 14336), (64, 128), (3, 5000)])
+@pytest.mark.parametrize("rows,k", cases.DEVICE_QUANTISER_SHAPES)
 def test_quantiser_is_bit_equal_to_the_reference(dtype: torch.dtype, rows: int, k: int) -> None:
     from kvserve.kernels.fp8_quant import per_token_quant_int8
 
-    x = (torch.randn(rows, k, device="cuda")
-         * 2.0 ** torch.randint(-12, 6, (rows, 1), device="cuda")).to(dtype)
-    x[0, :] = 0.0
+    x = cases.device_quantiser_input(rows, k, dtype)
     out, scales = per_token_quant_int8(x, num_rows_padded=32)
     expected, expected_scales = int8.quantize_per_token(x)
     assert out.shape[0] == max(rows, 32)
@@ -59,39 +57,19 @@ def test_epilogue_matches_the_reference(dtype: torch.dtype, rows: int, n: int) -
 
 
 @pytest.mark.parametrize("m", [1, 16, 17, 257, 4096])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("n,k", cases.W8A8_GEMM_SHAPES)
 def test_int_mm_path_matches_the_reference(m: int, n: int, k: int) -> None:
     from kvserve.quant.config import quantize_at_load
     from kvserve.quant.methods import Int8W8A8LinearMethod
 
-    class Layer:
-        output_size, input_size, use_triton = n, k, True
-
-    layer: Any = Layer()
     method = Int8W8A8LinearMethod(quantize_at_load("w8a8-int8"))
-    with torch.device("cuda"):
-        method.create_weights(layer)
-    qweight, scales = int8.quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
-    layer.qweight.data.copy_(qweight)
-    layer.scales.data.copy_(scales)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    layer, x, bias = cases.w8a8_linear_case(method, int8.quantize_weight, m, n, k)
     out = method.apply(layer, x, bias)
     ref = int8.int8_linear_reference(x, layer.qweight, layer.scales, bias)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     # the int32 sums are exact on both sides: only the epilogue's rounding differs
     assert float((out.float() - ref.float()).abs().max()) <= float(
         ref.float().abs().max()) * 2**-7
-
-
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 250) for _ in range(rng.randint(2, 40))] for _ in range(n)]
-
-
-def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_engine_graphs_eager_batch_and_close_to_bf16(
@@ -104,14 +82,14 @@ def test_engine_graphs_eager_batch_and_close_to_bf16(
 
     monkeypatch.setattr(skinny_gemm, "LAYER_MAX_M", 0)
     path = str(tiny_checkpoint("llama"))
-    prompts = _prompts(64, seed=2)
+    prompts = cases.random_prompts(64, seed=2)
     kwargs: dict[str, Any] = dict(model=path, dtype="bfloat16", device="cuda", max_num_seqs=64,
                                   gpu_memory_utilization=0.3)
     llm = LLM(**kwargs, quantization="w8a8-int8")
-    graphs = _tokens(llm, prompts)
+    graphs = cases.greedy_tokens(llm, prompts)
     # batch 1 vs 64: per-token scales make each request's rows independent of the others'
-    assert [_tokens(llm, [p])[0] for p in prompts] == graphs
-    assert _tokens(LLM(**kwargs, quantization="w8a8-int8", enforce_eager=True),
+    assert [cases.greedy_tokens(llm, [p])[0] for p in prompts] == graphs
+    assert cases.greedy_tokens(LLM(**kwargs, quantization="w8a8-int8", enforce_eager=True),
                    prompts) == graphs
-    bf16 = _tokens(LLM(**kwargs), prompts)
+    bf16 = cases.greedy_tokens(LLM(**kwargs), prompts)
     assert sum(a[:3] == b[:3] for a, b in zip(graphs, bf16, strict=True)) >= 0.9 * len(prompts)

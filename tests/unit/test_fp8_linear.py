@@ -18,33 +18,25 @@ from tests.triton_interpreter import require_interpreter
 
 require_interpreter("tests/gpu/test_fp8_linear_gpu.py")
 
-from kvserve import LLM, SamplingParams  # noqa: E402 (after the interpreter switch)
+from kvserve import LLM  # noqa: E402 (after the interpreter switch)
 from kvserve.kernels import fp8_quant  # noqa: E402
 from kvserve.quant import fp8  # noqa: E402
 from kvserve.quant.config import QuantConfig, quantize_at_load  # noqa: E402
 from kvserve.quant.methods import Fp8LinearMethod, linear_method  # noqa: E402
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    as_int = {1: torch.uint8, 4: torch.int32}[a.element_size()]
-    return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
+from tests import quant_cases as cases  # noqa: E402
 
 
 def test_reference_quantises_per_token_and_per_channel() -> None:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 96, generator=generator) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 0.1, 5.0])[
-        :, None]
-    x[3] = 0.0
+    x, w = cases.reference_linear_inputs()
     xq, scales = fp8.quantize_per_token(x)
     assert xq.dtype == torch.float8_e4m3fn and scales.shape == (6, 1)
     assert torch.equal(scales[:, 0], x.abs().amax(dim=1) / 448)
     assert float(xq.float().abs().max()) == 448.0 and not xq[3].float().any()
     expected = (x / torch.where(scales > 0, scales, 1.0)).clamp(-448, 448).to(torch.float8_e4m3fn)
-    assert same_bits(xq, expected)
+    assert cases.same_bits(xq, expected)
     # e4m3 keeps 3 mantissa bits: each element within 1/16 of itself (normals)
     error = (xq.float() * scales - x).abs()
     assert bool((error <= x.abs() / 16 + scales * 2.0**-9).all())
-    w = torch.randn(32, 96, generator=generator) * 0.02
     wq, w_scales = fp8.quantize_weight(w)
     out = fp8.fp8_linear_reference(x.bfloat16(), wq, w_scales, torch.ones(32))
     assert out.dtype == torch.bfloat16 and out.shape == (6, 32)
@@ -54,21 +46,16 @@ def test_reference_quantises_per_token_and_per_channel() -> None:
     assert torch.equal(out[3].float(), torch.ones(32))  # a zero row: the bias alone
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("k,max_block", [(96, 4096), (200, 64)], ids=["one-pass", "two-pass"])
+@cases.quantiser_dtypes
+@cases.quantiser_blocks
 def test_triton_quantiser_is_bit_equal_to_the_reference(
     dtype: torch.dtype, k: int, max_block: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fp8_quant, "MAX_BLOCK", max_block)
-    generator = torch.Generator().manual_seed(1)
-    x = (torch.randn(5, k, generator=generator)
-         * 2.0 ** torch.randint(-14, 6, (5, k), generator=generator)).to(dtype)
-    x[2] = 0.0
-    x[4, 7] = 1e4 if dtype != torch.float16 else 6e4  # one outlier: the rest go subnormal
+    x = cases.quantiser_input(k, dtype)  # row 4's outlier: the rest of it goes subnormal
     out, scales = fp8_quant.per_token_quant_fp8(x)
     expected, expected_scales = fp8.quantize_per_token(x)
-    assert same_bits(scales, expected_scales) and same_bits(out, expected)
+    assert cases.same_bits(scales, expected_scales) and cases.same_bits(out, expected)
 
 
 def test_quantiser_checks_its_input() -> None:
@@ -90,19 +77,14 @@ def test_config_and_method() -> None:
         QuantConfig(bits=8, group_size=-1, weight_type="fp4")
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-PROMPTS = [[5, 17, 99, 3, 250, 7, 42], list(range(20, 57)), [11, 12]]
-
-
 def test_engine_quantises_at_load_and_stays_close(tiny_checkpoint: Callable[[str], Path]
                                                   ) -> None:
     path = str(tiny_checkpoint("llama"))
     quantised = LLM(model=path, quantization="fp8", dtype="bfloat16")
     layer = quantised.engine.core.executor.model.model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
     assert layer.qweight.dtype == torch.float8_e4m3fn and layer.scales.dtype == torch.float32
-    tokens = [o.outputs[0].token_ids for o in quantised.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    exact = [o.outputs[0].token_ids for o in LLM(model=path, dtype="bfloat16").generate(
-        PROMPTS, GREEDY, use_tqdm=False)]
+    tokens = cases.greedy_tokens(quantised, cases.ENGINE_PROMPTS, 12)
+    exact = cases.greedy_tokens(LLM(model=path, dtype="bfloat16"), cases.ENGINE_PROMPTS, 12)
     # greedy decoding of a random model drifts once two candidates near-tie
     assert all(a[:3] == b[:3] for a, b in zip(tokens, exact, strict=True))
 

@@ -21,18 +21,16 @@ from tests.triton_interpreter import require_interpreter
 
 require_interpreter("tests/gpu/test_int8_w8a8_gpu.py")
 
-from kvserve import LLM, SamplingParams  # noqa: E402 (after the interpreter switch)
+from kvserve import LLM  # noqa: E402 (after the interpreter switch)
 from kvserve.kernels import fp8_quant, int8_scale  # noqa: E402
 from kvserve.quant import int8  # noqa: E402
 from kvserve.quant.config import QuantConfig, quantize_at_load  # noqa: E402
 from kvserve.quant.methods import Int8W8A8LinearMethod, linear_method  # noqa: E402
+from tests import quant_cases as cases  # noqa: E402
 
 
 def test_reference_quantises_per_token_and_sums_exactly() -> None:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 96, generator=generator) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 0.1, 5.0])[
-        :, None]
-    x[3] = 0.0
+    x, w = cases.reference_linear_inputs()
     x[1, :4] = torch.tensor([0.5, 1.5, 2.5, -2.5]) * (x[1].abs().max() / 127)  # ties
     xq, scales = int8.quantize_per_token(x)
     assert xq.dtype == torch.int8 and scales.shape == (6, 1)
@@ -40,7 +38,6 @@ def test_reference_quantises_per_token_and_sums_exactly() -> None:
     assert int(xq.abs().max()) == 127 and not xq[3].any()
     assert xq[1, :4].tolist() == [0, 2, 2, -2]  # round half to even
     assert bool(((xq.float() * scales - x).abs() <= scales / 2 * (1 + 1e-6)).all())
-    w = torch.randn(32, 96, generator=generator) * 0.02
     wq, w_scales = int8.quantize_weight(w)
     assert wq.dtype == torch.int8 and w_scales.dtype == torch.float32
     out = int8.int8_linear_reference(x.bfloat16(), wq, w_scales, torch.ones(32))
@@ -65,18 +62,13 @@ def test_int_mm_on_the_cpu_is_the_references_int32_product() -> None:
     assert torch.equal(torch._int_mm(a, b.t()).long(), exact)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("k,max_block", [(96, 4096), (200, 64)], ids=["one-pass", "two-pass"])
+@cases.quantiser_dtypes
+@cases.quantiser_blocks
 def test_triton_quantiser_is_bit_equal_to_the_reference(
     dtype: torch.dtype, k: int, max_block: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fp8_quant, "MAX_BLOCK", max_block)
-    generator = torch.Generator().manual_seed(1)
-    x = (torch.randn(5, k, generator=generator)
-         * 2.0 ** torch.randint(-14, 6, (5, k), generator=generator)).to(dtype)
-    x[2] = 0.0
-    x[4, 7] = 1e4 if dtype != torch.float16 else 6e4  # one outlier: the rest round to 0
+    x = cases.quantiser_input(k, dtype)  # row 4's outlier: the rest of it rounds to 0
     x[0, :3] = (torch.tensor([0.5, 1.5, -2.5]) * x[0].float().abs().max() / 127).to(dtype)
     out, scales = fp8_quant.per_token_quant_int8(x)
     expected, expected_scales = int8.quantize_per_token(x)
@@ -143,10 +135,6 @@ def test_method_on_the_cpu_runs_the_reference_with_or_without_triton() -> None:
         method.process_weights_after_loading(layer)
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-PROMPTS = [[5, 17, 99, 3, 250, 7, 42], list(range(20, 57)), [11, 12]]
-
-
 def test_engine_quantises_at_load_and_stays_close(tiny_checkpoint: Callable[[str], Path]
                                                   ) -> None:
     path = str(tiny_checkpoint("llama"))
@@ -154,8 +142,7 @@ def test_engine_quantises_at_load_and_stays_close(tiny_checkpoint: Callable[[str
     model = quantised.engine.core.executor.model  # type: ignore[attr-defined]
     for layer in (model.model.layers[0].self_attn.qkv_proj, model.model.layers[0].mlp.down_proj):
         assert layer.qweight.dtype == torch.int8 and layer.scales.dtype == torch.float32
-    tokens = [o.outputs[0].token_ids for o in quantised.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    exact = [o.outputs[0].token_ids for o in LLM(model=path, dtype="bfloat16").generate(
-        PROMPTS, GREEDY, use_tqdm=False)]
+    tokens = cases.greedy_tokens(quantised, cases.ENGINE_PROMPTS, 12)
+    exact = cases.greedy_tokens(LLM(model=path, dtype="bfloat16"), cases.ENGINE_PROMPTS, 12)
     # greedy decoding of a random model drifts once two candidates near-tie
     assert all(a[:3] == b[:3] for a, b in zip(tokens, exact, strict=True))

@@ -2,8 +2,10 @@
 and the start-up refusal that names the smallest sizes that would fit.
 
 The figures are checked against the planner's parameter count (one process
-holds exactly the whole model), and the refusal is driven with a stand-in
-for ``torch.cuda.mem_get_info`` (no GPU needed: it never allocates).
+holds exactly the whole model; a TP rank exactly the parameters its layers
+are built with, KV heads replicated past TP = KV heads included), and the
+refusal is driven with a stand-in for ``torch.cuda.mem_get_info`` (no GPU
+needed: it never allocates).
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.config import ParallelConfig
+from kvserve.config import ModelConfig, ParallelConfig
+from kvserve.distributed.communicator import Communicator
+from kvserve.distributed.parallel_state import ParallelState, building
 from kvserve.distributed.sharding import (
+    RankLayout,
     check_split,
     layer_range,
     max_rank_bytes,
@@ -21,6 +26,7 @@ from kvserve.distributed.sharding import (
     split_heads,
     vocab_shard,
 )
+from kvserve.models.registry import get_model_class
 from kvserve.models.source import resolve_model_config
 from kvserve.plan.counts import Hardware, PlanInputs
 from kvserve.plan.gpus import get_gpu
@@ -93,16 +99,46 @@ def test_llama_3_70b_splits_four_eight_and_sixteen_ways() -> None:
     assert kv == [2 * 80 * 2 * 128 * 2, 2 * 80 * 128 * 2, 2 * 80 * 128 * 2]
 
 
-@pytest.mark.parametrize("tp", [4, 8])
+@pytest.mark.parametrize("tp", [4, 8, 16])
 def test_llama_3_70b_rank_bytes_match_the_planner(tp: int) -> None:
     """``kvserve plan --tp`` and the engine's start-up check agree on a rank's
-    weights (within the replicated norms) and KV per token."""
+    weights and KV per token (at TP=16 each KV head is held by two ranks)."""
     config, _ = resolve_model_config("llama-3-70b")
     plan = compute_plan(config, Hardware.from_gpu(get_gpu("h100-sxm"), "bf16"),
                         PlanInputs(tp=tp))
     ours = rank_bytes(config, 2, tp, 1, 0)
     assert ours.kv_per_token == plan.kv_bytes_per_token
-    assert plan.weight_bytes <= ours.weights < plan.weight_bytes * 1.001
+    assert plan.weight_bytes == ours.weights
+
+
+def _rank_param_bytes(config: ModelConfig, tp: int, rank: int) -> int:
+    """Bytes of the bf16 parameters one TP rank's model is built with (on the
+    meta device: nothing allocated, no process group)."""
+    state = ParallelState(layout=RankLayout(tp_size=tp, rank=rank),
+                          tp=Communicator(None, tp, rank))
+    with building(state), torch.device("meta"):
+        model = get_model_class(config.architecture)(config).to(torch.bfloat16)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_plan_weight_bytes_are_what_a_rank_holds_with_replicated_kv_heads(
+    architecture: str
+) -> None:
+    """2 KV heads at TP=4: each rank holds one whole KV head's k and v rows
+    (shared with the neighbouring rank), not half of one; the vocabulary of
+    250 rows pads to 63 a rank. Qwen2 adds q/k/v biases and a tied head."""
+    config = ModelConfig.from_hf_config({
+        "architectures": [architecture], "vocab_size": 250, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 16,
+        "tie_word_embeddings": architecture == "Qwen2ForCausalLM"})
+    hardware = Hardware.from_gpu(get_gpu("h100-sxm"), "bf16")
+    for tp in (1, 2, 4):
+        plan = compute_plan(config, hardware, PlanInputs(tp=tp))
+        held = {_rank_param_bytes(config, tp, rank) for rank in range(tp)}
+        assert held == {plan.weight_bytes}, f"tp={tp}"
+        assert rank_bytes(config, 2, tp, 1, 0).weights == plan.weight_bytes, f"tp={tp}"
 
 
 @pytest.mark.parametrize(("total", "tp", "pp"), [

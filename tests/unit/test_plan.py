@@ -126,10 +126,19 @@ def test_int4_quantizes_only_the_decoder_linears() -> None:
 def test_tp_splits_weights_and_replicates_kv_heads_below_tp() -> None:
     one = _plan("llama-3-8b")
     eight = _plan("llama-3-8b", tp=8)
-    assert eight.weight_bytes == pytest.approx(one.weight_bytes / 8, rel=1e-6)
+    norms = (32 * 2 * 4096 + 4096) * 2  # whole on every GPU
+    assert eight.weight_bytes == (one.weight_bytes - norms) / 8 + norms
     assert eight.kv_bytes_per_token == one.kv_bytes_per_token // 8
-    # 8 KV heads on 16 GPUs: each keeps one whole head
-    assert _plan("llama-3-8b", tp=16).kv_bytes_per_token == eight.kv_bytes_per_token
+    # 8 KV heads on 16 GPUs: each keeps one whole head, of the cache and of
+    # the k and v projections; the rest halves again
+    sixteen = _plan("llama-3-8b", tp=16)
+    assert sixteen.kv_bytes_per_token == eight.kv_bytes_per_token
+    kv_proj = 32 * 2 * 4096 * 128 * 2
+    assert sixteen.weight_bytes == (eight.weight_bytes - norms - kv_proj) / 2 + norms + kv_proj
+    with pytest.raises(ValueError, match=r"tp=3 does not split num_heads=32"):
+        count_params(_model("llama-3-8b"), 3)
+    with pytest.raises(ValueError, match=r"params counted for tp=1 but the plan is for --tp 8"):
+        weight_bytes(count_params(_model("llama-3-8b")), PlanInputs(tp=8))
 
 
 def test_moe_counts_all_experts_for_bytes_and_active_ones_for_flops() -> None:
