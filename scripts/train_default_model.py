@@ -2159,9 +2159,19 @@ def train_base_model(
         unit_starts=dev["train_unit_starts"],
     )
     sft_spec = replace(spec, name=f"{key}_sft_lm", distill_weight=0.0, dropout=0.0)
+
+    @torch.no_grad()
+    def val_loss() -> float:  # the file stream's validation loss: what the chat stage costs
+        return eval_loss(model, dev["val"], spec.seq_len, spec.batch_size, spec.val_windows,
+                         tok.token_to_id(BOS))
+
+    before = val_loss()
     phase_log["sft"] = chat_stage(
         args, model, sft_spec, task, dev, budget_s(deadline, own_sft, later, args.eval_reserve_s)
     )
+    phase_log["sft"].update(val_loss_before=before, val_loss_after=val_loss())
+    log(f"{key}: validation loss {before:.3f} before the chat stage, "
+        f"{phase_log['sft']['val_loss_after']:.3f} after")
     round_to_bf16(model)
     phase_log.update(num_params=num_params(model), size=asdict(size))
     name = ("kvserve-code-" if is_target else "kvserve-code-draft-") + size_name(num_params(model))

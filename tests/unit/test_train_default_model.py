@@ -175,6 +175,8 @@ def test_metrics_and_model_card(run_dir: Path) -> None:
         assert metrics[key]["heldout_bits_per_byte"] > 0
         assert metrics[key]["heldout_summary_loss"] > 0
         assert metrics[key]["heldout_summary_bits_per_byte"] > 0
+        sft = metrics[key]["sft"]
+        assert sft["val_loss_before"] > 0 and sft["val_loss_after"] > 0
     assert metrics["lora"]["heldout_loss_base"] > 0 and metrics["lora"]["heldout_loss_lora"] > 0
     assert 0.0 <= metrics["signature_validity"]["valid_share"] <= 1.0
     assert metrics["signature_validity"]["num_prompts"] > 0
