@@ -288,7 +288,11 @@ class LLMEngine:
             # a final_only request is reported only when it finishes, so its
             # samples still running have nothing to report
             if sample.finish_reason is not None or not tracked.final_only:
-                changed.setdefault(tracked.request_id, {})[sample.index] = (delta_text, new_ids)
+                # a core process's outputs of several steps can arrive together:
+                # a sample's deltas of one call add up
+                deltas = changed.setdefault(tracked.request_id, {})
+                text, ids = deltas.get(sample.index, ("", []))
+                deltas[sample.index] = (text + delta_text, [*ids, *new_ids])
         if stopped:
             self.core.finish_stopped(stopped)
         results = []

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.core.outputs import EngineCoreOutput
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.input_processor import RequestOutputKind
 from kvserve.engine.llm_engine import LLMEngine
@@ -274,11 +275,21 @@ def test_final_only_outputs_equal_streamed_ones(
         ]
 
 
-def test_output_kinds_carry_the_same_completion(tokenized_checkpoint: Path) -> None:
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_output_kinds_carry_the_same_completion(tokenized_checkpoint: Path,
+                                                steps_per_call: int) -> None:
     """DELTA outputs concatenate to the CUMULATIVE one (text, ids, logprobs);
-    FINAL_ONLY reports once; the input processor leaves the caller's params alone."""
+    FINAL_ONLY reports once; the input processor leaves the caller's params alone.
+    Also when one engine step receives several core steps' outputs at once, as
+    from a core process whose outputs queued up while the API side was busy."""
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(tokenized_checkpoint),
                                                    max_model_len=24))
+    core_step = engine.core.step
+
+    def several_steps() -> list[EngineCoreOutput]:
+        return [output for _ in range(steps_per_call) for output in core_step()]
+
+    engine.core.step = several_steps  # type: ignore[method-assign]
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True, logprobs=1,
                             stop=["zz"])
     ids = {kind: engine.add_request("hello world", params, output_kind=kind)
