@@ -24,7 +24,7 @@ def resolve_model_path(model: str, hub: HubOptions | None = None, weights: bool 
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    if not model.startswith((".", "/", "~")) and is_hub_id(model):
+    if is_hub_id(model):  # a path ("./x", "/x", "~/x") never is one
         try:
             return snapshot(model, hub or HubOptions(), weights)
         except ValueError as exc:

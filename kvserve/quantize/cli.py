@@ -85,7 +85,7 @@ def _model_path(model: str) -> Path:
         return path
     if (MODELS_DIR / model).is_dir():
         return bundled_model_path(model)
-    if not model.startswith((".", "/", "~")) and is_hub_id(model):
+    if is_hub_id(model):  # a path ("./x", "/x", "~/x") never is one
         return resolve_model_path(model, weights=True)
     return path
 

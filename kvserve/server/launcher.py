@@ -2,7 +2,7 @@
 
 The port is bound before the weights load (probes get 503 "loading" rather
 than a refused connection); a port that cannot be bound (in use,
-privileged) fails first, in one line with exit 1; a bad ``--model`` still
+privileged) fails before anything loads, in one line with exit 1; a bad ``--model`` still
 fails at once, because the engine configuration is resolved before uvicorn
 starts (so is each ``--lora-modules`` adapter's config; its tensors load
 with the model).
@@ -193,12 +193,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     _check_args(args)
     _take_model_tag(args)
-    node_rank = (args.node_rank if args.node_rank is not None
-                 else envs.torchrun_defaults().get("node_rank", 0))
-    if not node_rank:  # a worker node of a multi-node engine listens on nothing
-        check_port_free(args.host, args.port)
     engine_args = EngineArgs.from_cli_args(args)
     engine_config = engine_args.create_engine_config()  # a bad --model fails here, exit 2
+    if engine_config.parallel_config.node_rank == 0:  # a worker node listens on nothing
+        check_port_free(args.host, args.port)
     if args.data_parallel_size != 1:
         from kvserve.router.data_parallel import run_data_parallel
 
