@@ -17,6 +17,7 @@ import pytest
 
 from benchmarks import multi_gpu
 from benchmarks.multi_gpu import DEFAULT_DEADLINE_S, Stage, plan_stages, run_stages
+from tests.conftest import process_alive
 
 H100, H200 = 85e9, 150.7e9
 
@@ -65,13 +66,6 @@ def test_fewer_than_four_gpus_are_refused(tmp_path: Path) -> None:
         plan_stages(2, H100, tmp_path)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 def test_a_stage_past_its_limit_is_killed_with_its_children(tmp_path: Path) -> None:
     # the stage starts a child (as torchrun starts ranks) and both sleep
@@ -87,9 +81,9 @@ def test_a_stage_past_its_limit_is_killed_with_its_children(tmp_path: Path) -> N
     assert not (tmp_path / "late.log").exists()  # its estimate passed the deadline
     pid = int(child_pid.read_text())
     deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
+    while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(pid)
+    assert not process_alive(pid)
 
 
 def _latency(card: str, tp: int, decode: float, mbu: float, model: str = "llama-3-8b",

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.worker.multiproc_executor import WorkerFailedError
-from tests.conftest import make_lora_adapter
+from tests.conftest import make_lora_adapter, process_alive
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SHARED = list(range(20, 45))  # a prefix of 25 tokens: 6 full blocks of 4
@@ -230,14 +230,6 @@ def test_a_worker_value_error_at_start_up_is_the_engines(
         parallel_llm(tiny_checkpoint("llama"), 2, 1, attention_backend="nope")
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie awaiting its reaper is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 def test_a_killed_worker_fails_the_engine_and_leaves_no_process(
     tiny_checkpoint: Callable[[str], Path]
@@ -252,9 +244,9 @@ def test_a_killed_worker_fails_the_engine_and_leaves_no_process(
     with pytest.raises(WorkerFailedError):
         token_ids(llm, prompts=PROMPTS[:1])
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids if pid) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids if pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids if pid)
+    assert not any(process_alive(pid) for pid in pids if pid)
 
 
 def _free_port() -> int:

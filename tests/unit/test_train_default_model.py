@@ -40,15 +40,20 @@ def tdm() -> ModuleType:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("default_model")
+    run_tiny(out)
+    return out
+
+
+def run_tiny(out: Path, *extra: str) -> None:
+    """The script with ``--tiny`` on the CPU into ``out``; fails the test if it fails."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", *extra, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=REPO,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    return out
 
 
 def model_dirs(out: Path) -> dict[str, Path]:
@@ -457,15 +462,7 @@ def test_stop_and_chat_stages_and_kvserve_loads_the_target(run_dir: Path) -> Non
 def warm_dir(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """--init-from the tiny run above: its tokenizer, target, draft and adapter continued."""
     out = tmp_path_factory.mktemp("default_model_warm")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--init-from", str(run_dir),
-         "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    run_tiny(out, "--init-from", str(run_dir))
     return out
 
 
