@@ -51,7 +51,12 @@ MAX_ERROR = 1e-2
 FMA_SWEEP = [(8, 1024, 4, 3), (16, 512, 4, 3), (8, 512, 4, 4), (16, 256, 2, 4),
              (32, 256, 8, 3), (8, 1024, 4, 1), (4, 1024, 2, 3), (4, 512, 2, 4),
              (2, 1024, 2, 4)]
-FMA_SWEEP_MAX_ROWS = 2
+FMA_SWEEP_MAX_ROWS = 8
+# (block_n, block_k, num_warps, num_stages) for 3-8 rows, block_k as given: a deeper
+# pipeline of smaller tiles keeps the 3-D accumulator in registers
+MULTI_ROW_FMA_SWEEP = [(4, 256, 2, 4), (4, 256, 2, 6), (4, 128, 2, 8), (8, 128, 4, 6),
+                       (8, 256, 4, 4), (2, 512, 2, 4), (2, 256, 1, 6), (4, 512, 4, 3),
+                       (16, 64, 4, 6), (8, 64, 2, 8)]
 # (block_n, block_k, num_warps, num_stages): mma.sync at block_n 16 / 32, wgmma at 64
 DOT_SWEEP = [(16, 256, 1, 4), (16, 256, 2, 4), (16, 512, 1, 3), (16, 128, 1, 6),
              (32, 128, 2, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3)]
@@ -68,6 +73,8 @@ def sweep_configs(rows: int) -> list[SkinnyConfig]:
     if rows <= FMA_SWEEP_MAX_ROWS:
         configs += [SkinnyConfig(n, max(16, k // block_m), w, s, use_dot=False)
                     for n, k, w, s in FMA_SWEEP]
+    if rows > 2:
+        configs += [SkinnyConfig(n, k, w, s, use_dot=False) for n, k, w, s in MULTI_ROW_FMA_SWEEP]
     configs += [SkinnyConfig(n, k, w, s, use_dot=True) for n, k, w, s in DOT_SWEEP]
     return configs
 
@@ -104,14 +111,13 @@ class Case:
         return max(t.error for t in self.timings)
 
 
-def run_case(shape: str, weights: list[torch.Tensor], rows: int, sweep: bool,
-             num_sms: int) -> Case:
+def run_case(shape: str, weights: list[torch.Tensor], rows: int, sweep: bool) -> Case:
     n, k = weights[0].shape
     x = torch.randn(rows, k, dtype=DTYPE, device="cuda")
     num_bytes = (n * k + rows * k + rows * n) * weights[0].element_size()
     ref = F.linear(x, weights[0]).float()
     linear_us = graph_us(lambda w: F.linear(x, w), weights)
-    default = default_config(rows, n, k, num_sms)
+    default = default_config(rows, n, k)
     candidates = [default] + [c for c in (sweep_configs(rows) if sweep else []) if c != default]
     timings = []
     for config in candidates:
@@ -148,7 +154,7 @@ def main() -> int:
         weights = [(0.02 * torch.randn(n, k, device="cuda")).to(DTYPE)
                    for _ in range(num_copies)]
         for rows in rows_list:
-            cases.append(run_case(shape, weights, rows, not args.no_sweep, num_sms))
+            cases.append(run_case(shape, weights, rows, not args.no_sweep))
         del weights
         torch.cuda.empty_cache()
     if args.json:

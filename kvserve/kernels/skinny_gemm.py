@@ -61,15 +61,13 @@ from kvserve.kernels.pdl import use_pdl
 
 DTYPES = (torch.bfloat16, torch.float16)
 SKINNY_MAX_M = 16
-# The layers send only one-row inputs (a batch-1 decode step) here: on an H200
-# the one-row config below beats cuBLAS by 5-27% on Llama-3-8B's qkv, o_proj
-# and down projections and ties on gate_up and the LM head, while the 2-16 row
-# defaults lost to cuBLAS (benchmarks/skinny_gemm.py, docs/benchmarks.md).
+# The layers send only one-row inputs (a batch-1 decode step) here. Alone, the
+# many-row config below beats cuBLAS by up to 9% at 2-16 rows on an H100, but
+# inside the engine's verify step (5 rows) it took 1.8x its isolated time and
+# made the step 1.6x slower than with cuBLAS (decision 0043).
 LAYER_MAX_M = 1
 DOT_BLOCK_M = 16  # tl.dot's smallest tile side
-PROGRAMS_PER_SM = 4  # as many as fit an SM at once (FMA default: 4 x 128 threads x ~120 regs)
-DEFAULT_NUM_SMS = 132
-DOT_TILE_ELEMENTS = 4096  # BLOCK_N * BLOCK_K: an 8 KB 16-bit weight tile a stage
+WIDE_N = 8192  # many rows: an n above this takes one warp a program, else two
 # one-row shapes that take thinner programs (Llama-3-8B's qkv, o_proj, gate_up;
 # not its down projection, K = 14,336, nor its LM head, N = 128,256)
 THIN_MAX_K = 8192
@@ -198,15 +196,8 @@ def _accumulate(acc, w, x_ptrs, x_mask, ks, k, K, EVEN_K: tl.constexpr, GATED: t
     return acc
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 @functools.lru_cache(maxsize=256)  # a decode step asks for the same few shapes every time
-def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> SkinnyConfig:
+def default_config(m: int, n: int, k: int) -> SkinnyConfig:
     """The configuration ``skinny_matmul`` uses for an ``[m, k] @ [n, k].T`` product.
 
     One row: FMA, ``block_n`` 8, ``block_k`` 512, 4 warps, 4 stages (the sweep
@@ -215,21 +206,20 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> Sk
     ``THIN_MAX_K`` and ``n`` up to ``THIN_MAX_N`` (qkv, o_proj, gate_up):
     ``block_n`` 4, ``block_k`` 1024, 2 warps, 3 stages, twice the programs of
     half the size, 1-4% faster on those shapes on an H100 (decision 0014).
-    More rows: ``tl.dot`` with ``block_n`` the largest of 64, 32, 16 that
-    still gives ``PROGRAMS_PER_SM * num_sms`` programs (small ``n`` gets
-    more, thinner programs instead of a split-K),
-    ``block_k`` a tile of ``DOT_TILE_ELEMENTS`` weights, a warp per 16 rows of
-    W so no warp repeats another's MMA, 4 stages; never wider than ``k`` needs.
+    More rows: ``tl.dot`` with ``block_n`` 16 (thin programs, so even
+    ``n`` = 4,096 gives two per SM), ``block_k`` 256, 4 stages, two warps
+    for an ``n`` up to ``WIDE_N`` and one above (the sweep at 3 and 5 rows on
+    an H100: within 2% of the best of 27 configs on every Llama-3-8B shape but
+    qkv, 3% off there; wgmma's ``block_n`` 64 and ``block_n`` 32 lost up to
+    30% on the down and gate-and-up projections); never wider than ``k``
+    needs.
     """
     if m == 1:
         if k <= THIN_MAX_K and n <= THIN_MAX_N:
             return SkinnyConfig(4, max(16, min(1024, triton.next_power_of_2(k))), 2, 3, False)
         return SkinnyConfig(8, max(16, min(512, triton.next_power_of_2(k))), 4, 4, False)
-    block_n = 64
-    while block_n > 16 and triton.cdiv(n, block_n) < PROGRAMS_PER_SM * num_sms:
-        block_n //= 2
-    block_k = max(16, min(DOT_TILE_ELEMENTS // block_n, triton.next_power_of_2(k)))
-    return SkinnyConfig(block_n, block_k, block_n // 16, 4, True)
+    return SkinnyConfig(16, max(16, min(256, triton.next_power_of_2(k))),
+                        2 if n <= WIDE_N else 1, 4, True)
 
 
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -286,7 +276,7 @@ def skinny_matmul(
     if n == 0:
         return out
     if config is None:
-        config = default_config(m, n, k, _num_sms(x.device))
+        config = default_config(m, n, k)
     pdl = use_pdl(x.device)
     skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, weight if bias is None else bias, out,

@@ -629,15 +629,19 @@ def test_skinny_default_config_fills_the_card() -> None:
     # Llama-3-8B's projections: a program for every SM at least, K chunks that divide K
     for m in (1, 2, 16):
         for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
-            config = default_config(m, n, k, num_sms=132)
+            config = default_config(m, n, k)
             assert config.use_dot == (m > 1)
             if m == 1:  # the measured one-row configs: thin programs but for down and the head
                 thin = k <= 4096 and n <= 28672
                 assert (config.block_n, config.block_k, config.num_warps) == (
                     (4, 1024, 2) if thin else (8, 512, 4))
+            else:  # the measured many-row config: two warps but for gate-and-up and the head
+                assert (config.block_n, config.block_k, config.num_warps) == (
+                    16, 256, 2 if n <= 8192 else 1)
             assert -(-n // config.block_n) >= 132
             assert k % config.block_k == 0
     assert default_config(1, 40, 80).block_k == 128  # never much wider than K
+    assert default_config(5, 40, 80).block_k == 128
 
 
 def count_skinny_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
