@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", default="def fibonacci(n):",
                           help="the text to complete (default: %(default)r)")
     EngineArgs.add_cli_args(generate)
-    _add_sampling_args(generate, max_tokens=64)
+    _add_sampling_args(generate, max_tokens=128)
     generate.set_defaults(func=run_generate)
 
     chat = sub.add_parser("chat", help="interactive chat through the chat template",
