@@ -174,15 +174,17 @@ class RouterServer(uvicorn.Server):
 
 class _DropStartupTraceback(logging.Filter):
     """Drops the traceback that Starlette hands uvicorn to log when the
-    start-up check of the backends failed: that failure ends the command in
-    one line (``kvserve: error: ...``) instead."""
+    start-up check of the backends failed, and uvicorn's "Application startup
+    failed" after it: that failure ends the command in one line (``kvserve:
+    error: ...``, or ``kvserve: interrupted`` after Ctrl-C) instead."""
 
     def __init__(self, failure: list[BaseException]) -> None:
         super().__init__()
         self.failure = failure
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (self.failure and record.getMessage().startswith("Traceback"))
+        return not (self.failure and record.getMessage().startswith(
+            ("Traceback", "Application startup failed")))
 
 
 def build_state(options: RouterOptions) -> Any:
@@ -241,9 +243,14 @@ def run_router(options: RouterOptions,
     built = build_state(options)
     states = list(built) if isinstance(built, tuple) else [built]
     failure: list[BaseException] = []
+    interrupted = False
 
     def abort() -> str | None:
-        return "stopped by a signal" if server.should_exit else startup_abort()
+        nonlocal interrupted
+        if server.should_exit:  # Ctrl-C or SIGTERM while the backends are awaited
+            interrupted = True
+            return "stopped by a signal"
+        return startup_abort()
 
     async def on_start() -> None:
         try:
@@ -272,6 +279,8 @@ def run_router(options: RouterOptions,
     finally:
         logging.getLogger("uvicorn.error").removeFilter(quiet)
     if failure:
+        if interrupted:
+            raise KeyboardInterrupt  # the CLI's one line and exit status 130
         raise failure[0]
     if not server.started:
         raise OSError(f"the router could not start on {options.host}:{options.port}")

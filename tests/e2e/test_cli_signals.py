@@ -5,7 +5,8 @@ stops a reply and goes on, a second Ctrl-C or Ctrl-D leaves (exit 0);
 line when the server wants a key or no request succeeds; ``serve`` drains
 on the first Ctrl-C and aborts what is left on the second, with no
 traceback (no CancelledError), no lines about leaked objects at exit, and
-exit 0. Also: ``/v1/models`` has a real ``created`` time, ``/metrics`` the
+exit 0; ``router`` stopped while it waits for its backends exits 130 in one
+line. Also: ``/v1/models`` has a real ``created`` time, ``/metrics`` the
 process and Python collectors, and ``--enable-log-requests`` logs requests
 (off by default)."""
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL_NAME, REPO_ROOT, ServerProcess, launch
+from tests.e2e.conftest import MODEL_NAME, REPO_ROOT, ServerProcess, free_port, launch
 from tests.unit.test_cli import assert_one_line_error, cli_env
 
 pytestmark = pytest.mark.slow
@@ -225,6 +226,18 @@ def test_ctrl_c_twice_on_serve_aborts_and_exits_cleanly(tiny_model: Path, tmp_pa
     assert "nanobind: leaked" not in log, log[-3000:]  # the frozen heap is released at exit
     assert "a second signal: aborting 1 request(s)" in log
     assert finish_reasons[-1] == "abort"
+
+
+def test_ctrl_c_while_the_router_awaits_its_backends_exits_130(tmp_path: Path) -> None:
+    term = Terminal(tmp_path, "router", "--port", str(free_port()), "--backend",
+                    f"http://127.0.0.1:{free_port()}", "--startup-timeout-s", "120")
+    term.wait_for("kvserve router:", stream="stderr")
+    time.sleep(1.0)  # probing the backend that never answers
+    term.interrupt()
+    status = term.finish()
+    assert _interrupted(status), term.output()
+    assert "Traceback" not in term.stderr and "interrupted" in term.stderr, term.output()
+    assert "startup failed" not in term.stderr, term.output()
 
 
 def test_models_created_time_process_metrics_and_no_request_log(
