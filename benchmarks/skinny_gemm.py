@@ -14,9 +14,12 @@ copy rate (1 GiB, read + written) measured in the same run. Candidates:
 alternatives (FMA tiles for 1-2 rows, ``tl.dot`` tiles for all). Every
 skinny result is checked against ``F.linear`` (relative error of the norm
 below 1e-2); the script exits 1 on a mismatch. One line per candidate as it
-runs, then one markdown table last.
+runs, then one markdown table last. ``--gated`` adds the down projection as
+the layers run it, its input the gate-and-up product ``[M, 2K]``: the fused
+SiLU gate (``skinny_matmul(..., gated=True)``) against ``silu_and_mul`` then
+``F.linear``.
 
-    PYTHONPATH=. python benchmarks/skinny_gemm.py [--no-sweep] [--json out.json]
+    PYTHONPATH=. python benchmarks/skinny_gemm.py [--no-sweep] [--gated] [--json out.json]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvserve.bench.device_rates import (
     cuda_card,
     graph_call_us,
 )
+from kvserve.kernels.activation import silu_and_mul
 from kvserve.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_matmul
 
 SHAPES = LLAMA3_8B_LINEARS
@@ -111,19 +115,27 @@ class Case:
         return max(t.error for t in self.timings)
 
 
-def run_case(shape: str, weights: list[torch.Tensor], rows: int, sweep: bool) -> Case:
+def run_case(shape: str, weights: list[torch.Tensor], rows: int, sweep: bool,
+             gated: bool = False) -> Case:
+    """Time ``F.linear`` and the skinny candidates; with ``gated`` the input is a
+    gate-and-up product and the reference applies ``silu_and_mul`` first."""
     n, k = weights[0].shape
-    x = torch.randn(rows, k, dtype=DTYPE, device="cuda")
-    num_bytes = (n * k + rows * k + rows * n) * weights[0].element_size()
-    ref = F.linear(x, weights[0]).float()
-    linear_us = graph_us(lambda w: F.linear(x, w), weights)
+    x = torch.randn(rows, 2 * k if gated else k, dtype=DTYPE, device="cuda")
+    num_bytes = (n * k + x.numel() + rows * n) * weights[0].element_size()
+
+    def reference(w: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(x) if gated else x, w)
+
+    ref = reference(weights[0]).float()
+    linear_us = graph_us(reference, weights)
     default = default_config(rows, n, k)
     candidates = [default] + [c for c in (sweep_configs(rows) if sweep else []) if c != default]
     timings = []
     for config in candidates:
-        out = skinny_matmul(x, weights[0], None, config).float()
+        out = skinny_matmul(x, weights[0], None, config, gated).float()
         error = ((out - ref).norm() / ref.norm()).item()
-        us = graph_us(functools.partial(skinny_matmul, x, bias=None, config=config), weights)
+        us = graph_us(functools.partial(skinny_matmul, x, bias=None, config=config,
+                                        gated=gated), weights)
         timings.append(Timing(config_name(config), us, num_bytes / us / 1e3, error))
         print(f"  {shape:8} M={rows:<2d} {config_name(config):24} {us:8.2f} µs "
               f"{num_bytes / us / 1e3:6.0f} GB/s  err {error:.1e}"
@@ -137,6 +149,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-sweep", action="store_true", help="time the default config only")
     parser.add_argument("--json", default=None, help="also write every result to this file")
+    parser.add_argument("--gated", action="store_true",
+                        help="also time the down projection with its SiLU gate fused")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)),
                         help="comma-separated row counts (a verify step at k = 4 has 5)")
     args = parser.parse_args()
@@ -155,6 +169,8 @@ def main() -> int:
                    for _ in range(num_copies)]
         for rows in rows_list:
             cases.append(run_case(shape, weights, rows, not args.no_sweep))
+            if args.gated and shape == "down":
+                cases.append(run_case("down+silu", weights, rows, not args.no_sweep, True))
         del weights
         torch.cuda.empty_cache()
     if args.json:

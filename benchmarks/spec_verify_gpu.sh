@@ -5,7 +5,7 @@
 # batch 1, k = 4, alpha = 0.8 with async scheduling and without (the verify / plain step ratio
 # of each), then the full oracle grid (k in {2, 4, 6} x alpha in {0.6, 0.8, 0.95}); `profile`
 # lists the kernels of plain and verify steps (oracle k = 4) and times the skinny GEMM at the
-# row counts of a plain and a verify step.
+# row counts of a plain and a verify step (the down projection also with its SiLU gate fused).
 #   benchmarks/spec_verify_gpu.sh OUT_DIR [STAGE...]
 # Stages, in order (default: all but profile): tests oracle-k4 oracle-k4-sync oracle-grid
 # profile.
@@ -44,7 +44,7 @@ for stage in $stages; do
                 > "$out/profile-plain.txt"
             run profile-verify python benchmarks/profile_decode.py "${preset[@]}" \
                 --speculative-config "$oracle" > "$out/profile-verify.txt"
-            run skinny python benchmarks/skinny_gemm.py --no-sweep --rows 1,5 \
+            run skinny python benchmarks/skinny_gemm.py --no-sweep --gated --rows 1,5 \
                 --json "$out/skinny.json" > "$out/skinny.txt"
             tail -n 30 "$out/profile-plain.txt" "$out/profile-verify.txt" "$out/skinny.txt"
             ;;

@@ -592,12 +592,14 @@ def test_skinny_matmul_matches_linear(config_name: str, dtype: torch.dtype, m: i
     assert_close_linear(out, linear_ref(x, weight, bias))
 
 
-@pytest.mark.parametrize("config_name", ["default", "fma", "fma-even-k"])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("config_name", ["default", "fma", "fma-even-k", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gated_skinny_matmul_equals_silu_and_mul_then_matmul(config_name: str,
-                                                             dtype: torch.dtype) -> None:
+                                                             dtype: torch.dtype,
+                                                             rows: int) -> None:
     config = SKINNY_CONFIGS[config_name]
-    gate_up = randn(1, 2 * SKINNY_K, dtype=dtype, seed=20, scale=2.0)
+    gate_up = randn(rows, 2 * SKINNY_K, dtype=dtype, seed=20, scale=2.0)
     weight = randn(SKINNY_N, SKINNY_K, dtype=dtype, seed=21, scale=0.1)
     fused = skinny_matmul(gate_up, weight, None, config, gated=True)
     # the activation computed as it is loaded, with the activation kernel's rounding
