@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.config import ModelConfig
-from kvserve.distributed.sharding import split_heads, vocab_shard
+from kvserve.distributed.sharding import split_heads, tp_problems, vocab_shard
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,12 @@ def count_params(model: ModelConfig, tp: int = 1) -> ParamCount:
     rows: ``num_kv_heads / tp``, or one replicated head when there are fewer
     KV heads than ranks), ``1 / tp`` of the MLP, its rows of the embedding and
     LM head (the vocabulary padded to a multiple of ``tp``) and every norm
-    and router whole. ValueError when ``tp`` does not split the heads.
+    and router whole. ValueError when the engine could not split the model
+    over ``tp`` ranks (``sharding.tp_problems``).
     """
-    if tp < 1 or model.num_heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
-        raise ValueError(
-            f"tp={tp} does not split num_heads={model.num_heads} and "
-            f"num_kv_heads={model.num_kv_heads}: allowed is a size >= 1 that divides the "
-            "heads and divides or is a multiple of the KV heads")
+    problems = tp_problems(model, tp) if tp >= 1 else ["a size must be >= 1"]
+    if problems:
+        raise ValueError(f"tp={tp} does not split this model: {'; '.join(problems)}")
     heads = split_heads(model.num_heads, model.num_kv_heads, tp, 0)
     hidden = model.hidden_size
     q_dim, kv_dim = heads.num_heads * model.head_dim, heads.num_kv_heads * model.head_dim

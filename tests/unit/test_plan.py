@@ -135,8 +135,11 @@ def test_tp_splits_weights_and_replicates_kv_heads_below_tp() -> None:
     assert sixteen.kv_bytes_per_token == eight.kv_bytes_per_token
     kv_proj = 32 * 2 * 4096 * 128 * 2
     assert sixteen.weight_bytes == (eight.weight_bytes - norms - kv_proj) / 2 + norms + kv_proj
-    with pytest.raises(ValueError, match=r"tp=3 does not split num_heads=32"):
+    with pytest.raises(ValueError, match=r"tp=3 does not split this model: "
+                       r"num_attention_heads=32 is not divisible by it"):
         count_params(_model("llama-3-8b"), 3)
+    with pytest.raises(ValueError, match=r"tp=0 does not split this model: a size must be"):
+        count_params(_model("llama-3-8b"), 0)
     with pytest.raises(ValueError, match=r"params counted for tp=1 but the plan is for --tp 8"):
         weight_bytes(count_params(_model("llama-3-8b")), PlanInputs(tp=8))
 
