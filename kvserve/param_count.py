@@ -6,7 +6,8 @@ check refuses weights that cannot fit, and the planner turns the counts into
 bytes and FLOPs. Neither imports the other (DESIGN.md section 1). One
 tensor-parallel rank's share is counted with the engine's own split
 (``distributed/sharding.py``: heads, KV heads and vocabulary rows), so the
-planner's per-GPU figures are what a rank's layers really hold.
+planner's per-GPU figures are what a rank's layers really hold; ``plan/``
+checks a TP size by the engine's rule through the names re-exported here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.config import ModelConfig
-from kvserve.distributed.sharding import split_heads, tp_problems, vocab_shard
+from kvserve.distributed.sharding import shardable_tp as shardable_tp  # re-exported for plan/
+from kvserve.distributed.sharding import split_heads, vocab_shard
+from kvserve.distributed.sharding import tp_problems as tp_problems  # re-exported for plan/
 
 
 @dataclass(frozen=True)

@@ -139,15 +139,19 @@ def tp_problems(config: ModelConfig, tp: int) -> list[str]:
     return problems
 
 
+def shardable_tp(config: ModelConfig, limit: int = MAX_SUGGESTED_SIZE) -> list[int]:
+    """The tensor-parallel sizes up to ``limit`` that ``config`` splits over."""
+    return [tp for tp in range(1, limit + 1) if not tp_problems(config, tp)]
+
+
 def check_split(config: ModelConfig, tp: int, pp: int) -> None:
     """ValueError naming what does not divide, and the sizes that would, when
     ``config`` cannot run at ``tensor_parallel_size=tp`` x ``pipeline_parallel_size=pp``."""
     problems = tp_problems(config, tp)
     if problems:
-        working = [t for t in range(1, MAX_SUGGESTED_SIZE + 1) if not tp_problems(config, t)]
         raise ValueError(
             f"tensor_parallel_size={tp} does not split this model: {'; '.join(problems)}. "
-            f"Sizes that do: {', '.join(map(str, working))}")
+            f"Sizes that do: {', '.join(map(str, shardable_tp(config)))}")
     if pp > config.num_layers:
         raise ValueError(
             f"pipeline_parallel_size={pp} is invalid: the model has {config.num_layers} "

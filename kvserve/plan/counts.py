@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from kvserve.config import ModelConfig
-from kvserve.param_count import ParamCount, count_params
+from kvserve.param_count import ParamCount, count_params, shardable_tp, tp_problems
 from kvserve.plan.gpus import GpuSpec, rates_for
 
 WEIGHT_DTYPE_BYTES: dict[str, float] = {
@@ -165,32 +165,14 @@ class PlanInputs:
         return self.spec_k is not None
 
 
-def shardable_tp(model: ModelConfig, limit: int = 64) -> list[int]:
-    """The tensor-parallel sizes up to ``limit`` that ``model`` can be split over."""
-    return [tp for tp in range(1, limit + 1) if not _shard_problems(model, tp)]
-
-
-def _shard_problems(model: ModelConfig, tp: int) -> list[str]:
-    problems = []
-    if model.num_heads % tp:
-        problems.append(f"{model.num_heads} attention heads")
-    if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        problems.append(f"{model.num_kv_heads} KV heads (nor is it a multiple of them, "
-                        "which would replicate them)")
-    if model.intermediate_size % tp:
-        problems.append(f"intermediate_size {model.intermediate_size}")
-    return problems
-
-
 def check_tp(model: ModelConfig, tp: int) -> None:
-    """Refuse a ``tp`` the model's shapes cannot be split over, as every
-    tensor-parallel engine does: heads split whole, KV heads split whole or
-    are replicated (``tp`` a multiple of them), the MLP splits evenly."""
-    problems = _shard_problems(model, tp)
+    """Refuse a ``tp`` the model's shapes cannot be split over, by the engine's
+    own rule (``sharding.tp_problems``): heads split whole, KV heads split
+    whole or are replicated (``tp`` a multiple of them), the MLP splits evenly."""
+    problems = tp_problems(model, tp)
     if problems:
         allowed = ", ".join(str(n) for n in shardable_tp(model))
-        raise PlanError("--tp", f"{tp} does not divide the model's {' or '.join(problems)}; "
-                                f"tensor parallelism splits them evenly over the GPUs; "
+        raise PlanError("--tp", f"{tp} does not split this model: {'; '.join(problems)}; "
                                 f"sizes this model can use: {allowed}")
 
 

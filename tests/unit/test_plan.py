@@ -357,8 +357,8 @@ def test_plan_inputs_validate_without_the_cli() -> None:
 def test_tp_that_cannot_split_the_heads_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _run(["--model", "llama-3-8b", "--gpu", "h100", "--tp", "3"], capsys)
     assert rc == 2 and out == ""
-    assert "--tp: 3 does not divide the model's 32 attention heads" in err
-    assert "8 KV heads" in err
+    assert "--tp: 3 does not split this model: num_attention_heads=32" in err
+    assert "num_key_value_heads=8 neither divides it" in err
     assert "1, 2, 4, 8, 16, 32" in err  # what this model can use
     with pytest.raises(PlanError, match="--tp"):
         compute_plan(_model("llama-3-8b"), Hardware.from_gpu(get_gpu("h100")), PlanInputs(tp=3))
