@@ -113,6 +113,8 @@ GENERATED_MARKERS = (
 )
 MAX_FILE_BYTES = 400_000  # larger files are generated tables or test matrices
 SITE = "<site>"  # path prefix of --packages files
+# the --packages of the bundled family's run (decision 0042); train_eagle_head.py's default
+FAMILY_PACKAGES = "torch,numpy,sympy,scipy,networkx,pandas,sklearn,matplotlib"
 PRUNED_DIRS = {"site-packages", "dist-packages", "__pycache__", "idlelib", "lib2to3"}
 MIN_SPLIT_BYTES = 20_000  # so a --max-files corpus still has val / held-out windows
 

@@ -5,9 +5,10 @@ measure it in kvserve's engine.
 The head reads the target's final hidden state ``f_t`` and the embedding of
 the next token ``x_{t+1}`` and predicts ``f_{t+1}``; the target's LM head
 turns that into a distribution over ``x_{t+2}``. Training data is code (by
-default the corpus and split of ``scripts/train_default_model.py``: the
-stdlib's held-out files are never trained on), the targets come from the
-frozen target run on the fly (transformers), and the loss of each of
+default the bundled family's corpus and split, ``FAMILY_PACKAGES`` of
+``scripts/train_default_model.py``: the stdlib's held-out files are never
+trained on), the targets come from the frozen target run on the fly
+(transformers), and the loss of each of
 ``--unroll`` chained steps is ``smooth_l1(head, f) + --ce-weight * CE(the
 target's next-token distribution, the head's)``: step 2 reads step 1's
 output instead of the target's feature, as proposing does. The head is
@@ -149,7 +150,8 @@ def load_splits(args: argparse.Namespace) -> dict[str, list[str]]:
     """Train and held-out texts: the target's corpus and split."""
     tdm = load_corpus_module()
     root = Path(args.corpus_dir) if args.corpus_dir else Path(sysconfig.get_paths()["stdlib"])
-    packages = [p for p in args.packages.split(",") if p] if not args.corpus_dir else []
+    names = tdm.FAMILY_PACKAGES if args.packages is None else args.packages
+    packages = [p for p in names.split(",") if p] if not args.corpus_dir else []
     corpus = tdm.collect_corpus(root, args.max_files, 0, packages, int(args.packages_max_mb * 1e6))
     return {"train": corpus.texts("train"), "heldout": corpus.texts("heldout")}
 
@@ -315,8 +317,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(MODELS_DIR / EAGLE_HEAD))
     p.add_argument("--corpus-dir", default=None,
                    help="a directory of .py files instead of the stdlib (+ --packages)")
-    p.add_argument("--packages", default="torch,numpy")
-    p.add_argument("--packages-max-mb", type=float, default=32.0)
+    p.add_argument("--packages", default=None,
+                   help="packages whose .py files join the stdlib's train split (default: "
+                   "the bundled family's, scripts/train_default_model.py FAMILY_PACKAGES)")
+    p.add_argument("--packages-max-mb", type=float, default=120.0)
     p.add_argument("--max-files", type=int, default=0)
     p.add_argument("--minutes", type=float, default=6.0)
     p.add_argument("--max-steps", type=int, default=1_000_000)
