@@ -460,6 +460,21 @@ def test_stop_and_chat_stages_and_kvserve_loads_the_target(run_dir: Path) -> Non
     assert reply[0].outputs[0].finish_reason in ("stop", "length")
 
 
+def test_family_table_reads_a_run_and_flags_a_failed_one(run_dir: Path, tmp_path: Path) -> None:
+    """benchmarks/family_table.py: one row of the run's own figures, and exit 1 naming a
+    directory without metrics.json (a variant that failed)."""
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    table = subprocess.run([sys.executable, str(REPO / "benchmarks" / "family_table.py"),
+                            str(run_dir), str(tmp_path), "--baseline-bpb", "2.0"],
+                           capture_output=True, text=True, check=False)
+    assert table.returncode == 1
+    rows = table.stdout.splitlines()
+    bpb = metrics["target"]["heldout_bits_per_byte"]
+    assert rows[2].startswith(f"| {run_dir.name} | {bpb:.3f} ({bpb / 2 - 1:+.1%}) | ")
+    assert f"| {metrics['acceptance']['alpha']:.3f} | — |" in rows[2]
+    assert rows[3] == f"| {tmp_path.name} | no metrics.json: the run failed (see its log) |"
+
+
 # --------------------------------------------------------------------------- warm start
 
 
