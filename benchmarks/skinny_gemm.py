@@ -11,7 +11,7 @@ that every call reads its weight from HBM. GB/s counts the bytes a call
 must move (weight, x, output) over its time, beside the device-to-device
 copy rate (1 GiB, read + written) measured in the same run. Candidates:
 ``F.linear``, ``skinny_matmul``'s default configuration, and a sweep of
-alternatives (FMA tiles for 1-2 rows, ``tl.dot`` tiles for all). Every
+alternatives (FMA tiles for 1-8 rows, ``tl.dot`` tiles for all). Every
 skinny result is checked against ``F.linear`` (relative error of the norm
 below 1e-2); the script exits 1 on a mismatch. One line per candidate as it
 runs, then one markdown table last. ``--gated`` adds the down projection as

@@ -150,8 +150,11 @@ def load_splits(args: argparse.Namespace) -> dict[str, list[str]]:
     """Train and held-out texts: the target's corpus and split."""
     tdm = load_corpus_module()
     root = Path(args.corpus_dir) if args.corpus_dir else Path(sysconfig.get_paths()["stdlib"])
-    names = tdm.FAMILY_PACKAGES if args.packages is None else args.packages
-    packages = [p for p in names.split(",") if p] if not args.corpus_dir else []
+    if args.packages is None:  # the family's (resolved here, so train_log.json says which)
+        args.packages = tdm.FAMILY_PACKAGES
+    if args.packages_max_mb is None:
+        args.packages_max_mb = tdm.FULL_PRESET["packages_max_mb"]
+    packages = [p for p in args.packages.split(",") if p] if not args.corpus_dir else []
     corpus = tdm.collect_corpus(root, args.max_files, 0, packages, int(args.packages_max_mb * 1e6))
     return {"train": corpus.texts("train"), "heldout": corpus.texts("heldout")}
 
@@ -320,7 +323,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--packages", default=None,
                    help="packages whose .py files join the stdlib's train split (default: "
                    "the bundled family's, scripts/train_default_model.py FAMILY_PACKAGES)")
-    p.add_argument("--packages-max-mb", type=float, default=120.0)
+    p.add_argument("--packages-max-mb", type=float, default=None,
+                   help="cap on the packages' bytes (default: the family's, "
+                   "train_default_model.py FULL_PRESET)")
     p.add_argument("--max-files", type=int, default=0)
     p.add_argument("--minutes", type=float, default=6.0)
     p.add_argument("--max-steps", type=int, default=1_000_000)
