@@ -196,31 +196,25 @@ def sft_stage(
     settings: dict[str, Any],
     log: Callable[[str], None],
     autocast: Callable[[], Any],
-    score: Callable[[nn.Module], float] | None = None,
 ) -> dict[str, Any]:
     """AdamW on the chat examples (assistant tokens only) plus lm_weight x the pre-training
     loss of one lm batch per step, warmup then cosine over max_steps or budget_s, whichever
-    ends first; keeps the weights with the best held-apart chat loss, or with `score` the
-    highest score (ties: the lower loss). `settings`: lr, max_steps, budget_s,
-    warmup_steps, lm_weight, eval_every, pad_id, batch_size."""
+    ends first; keeps the weights with the best held-apart chat loss. `settings`: lr,
+    max_steps, budget_s, warmup_steps, lm_weight, eval_every, pad_id, batch_size."""
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings["lr"], betas=(0.9, 0.95), weight_decay=0.0)
-    best: dict[str, Any] = {"key": (-math.inf, -math.inf), "val": math.inf, "step": 0,
-                            "score": None, "state": None}
+    best: dict[str, Any] = {"val": math.inf, "step": 0, "state": None}
     history: list[dict[str, float]] = []
     start, step = time.monotonic(), 0
 
     def evaluate() -> None:
         with autocast():
             val = sft_val_loss(model, val_examples, settings["pad_id"], settings["batch_size"])
-            picked = None if score is None else score(model)
-        history.append({"step": step, "chat_val_loss": val}
-                       | ({} if picked is None else {"select_score": picked}))
-        key = (-val, 0.0) if picked is None else (picked, -val)
-        if key > best["key"]:
+        history.append({"step": step, "chat_val_loss": val})
+        if val < best["val"]:
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            best.update(key=key, val=val, step=step, score=picked, state=state)
+            best.update(val=val, step=step, state=state)
 
     evaluate()
     while step < settings["max_steps"] and time.monotonic() - start < settings["budget_s"]:
@@ -248,9 +242,8 @@ def sft_stage(
     if best["state"] is not None:
         model.load_state_dict(best["state"])
     train_s = time.monotonic() - start
-    chosen = "" if best["score"] is None else f", reply score {best['score']:.3f}"
-    log(f"sft done: {step} steps in {train_s:.0f}s, kept step {best['step']}: chat val loss "
-        f"{best['val']:.3f}{chosen} (before: {history[0]['chat_val_loss']:.3f})")
+    log(f"sft done: {step} steps in {train_s:.0f}s, best chat val loss {best['val']:.3f} "
+        f"at step {best['step']} (before: {history[0]['chat_val_loss']:.3f})")
     return {"steps": step, "train_s": train_s, "best_chat_val_loss": best["val"],
-            "best_step": best["step"], "best_select_score": best["score"],
-            "chat_val_loss_before": history[0]["chat_val_loss"], "history": history}
+            "best_step": best["step"], "chat_val_loss_before": history[0]["chat_val_loss"],
+            "history": history}

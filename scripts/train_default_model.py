@@ -185,10 +185,6 @@ FULL_PRESET: dict[str, Any] = {
     "stop_eval_new_tokens": 256,
     "chat_eval_prompts": 100,
     "chat_eval_new_tokens": 256,
-    # the target's chat stage keeps the checkpoint whose replies to held-apart train-split
-    # requests most often stop and hold a function (greedy, this penalty); 0 prompts: by loss
-    "sft_select_prompts": 64,
-    "sft_select_penalty": 1.1,
 }
 TINY_PRESET: dict[str, Any] = {
     **FULL_PRESET,
@@ -227,7 +223,6 @@ TINY_PRESET: dict[str, Any] = {
     "stop_eval_new_tokens": 12,
     "chat_eval_prompts": 4,
     "chat_eval_new_tokens": 12,
-    "sft_select_prompts": 3,
 }
 
 
@@ -1711,20 +1706,9 @@ def task_text(metrics: dict[str, Any], info: dict[str, Any]) -> str:
         f"{sft_log.get('steps', 0)} steps (loss on the assistant's tokens only, plus "
         f"{settings.get('lm_weight', 0)} x one pre-training batch per step; chat val loss "
         f"{fmt(sft_log.get('chat_val_loss_before'))} -> {fmt(sft_log.get('best_chat_val_loss'))})"
-        f"{selection_text(sft_log)}; the draft takes the same stage after its distillation. "
-        "<|end|> is an eos_token_id beside <|eos|>, so a chat reply stops at the end of its turn."
+        "; the draft takes the same stage after its distillation. <|end|> is an eos_token_id "
+        "beside <|eos|>, so a chat reply stops at the end of its turn."
     )
-
-
-def selection_text(sft_log: dict[str, Any]) -> str:
-    """How the chat stage's kept checkpoint was chosen, for the card ('' by loss)."""
-    score = sft_log.get("best_select_score")
-    if score is None:
-        return ""
-    prompts = (sft_log.get("settings") or {}).get("select_prompts", 0)
-    return (f", keeping step {sft_log.get('best_step')}: its greedy replies to {prompts} "
-            "held-apart train-split requests stopped and held a function most often "
-            f"(mean of the two shares {score:.2f})")
 
 
 def task_rows(metrics: dict[str, Any]) -> list[str]:
@@ -1854,7 +1838,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "draft_sft_minutes",
         "sft_lr",
         "sft_lm_weight",
-        "sft_select_penalty",
     ]
     ints = [
         "max_steps",
@@ -1878,7 +1861,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "stop_eval_new_tokens",
         "chat_eval_prompts",
         "chat_eval_new_tokens",
-        "sft_select_prompts",
     ]
     for name in floats + ints:
         p.add_argument(
@@ -2054,15 +2036,13 @@ def build_task_data(
     end = int(starts[keep]) if keep < starts.size else stop_stream.size
     stop_stream, starts = stop_stream[:end], starts[:keep]
     render = chat_renderer(tok)
-    pairs = {split: tasks.instruction_pairs(corpus.splits[split], args.sft_max_chars)
-             for split in ("train", "val")}
-    # the chat stage's held-apart requests (out of its training pairs), hash-ordered
-    by_hash = sorted(pairs["train"], key=lambda p: path_hash(f"select:{p.path}::{p.name}"))
-    held_apart = by_hash[:args.sft_select_prompts]
-    apart = {(p.path, p.name) for p in held_apart}
-    pairs["train"] = [p for p in pairs["train"] if (p.path, p.name) not in apart]
-    chat = {split: [tasks.chat_example(render, pair) for pair in split_pairs]
-            for split, split_pairs in pairs.items()}
+    chat = {
+        split: [
+            tasks.chat_example(render, pair)
+            for pair in tasks.instruction_pairs(corpus.splits[split], args.sft_max_chars)
+        ]
+        for split in ("train", "val")
+    }
     chat = {k: [ex for ex in v if len(ex[0]) <= args.sft_max_tokens] for k, v in chat.items()}
     if not chat["train"]:
         raise SystemExit("no chat examples: no train-split function has a docstring summary")
@@ -2071,9 +2051,6 @@ def build_task_data(
         "unit_starts": starts + streams["train"].size,
         "chat_train": chat["train"],
         "chat_val": chat["val"] or chat["train"][:8],
-        "chat_select": [render([{"role": "user", "content": p.user}], True) for p in held_apart],
-        "stop_ids": {eos_id, tok.token_to_id("<|end|>")},
-        "decode": tok.decode,
         "render": render,
         "bos_id": tok.token_to_id(BOS),
         "pad_id": tok.token_to_id(PAD),
@@ -2084,7 +2061,6 @@ def build_task_data(
         "stop_units_found": len(units),
         "chat_train_pairs": len(chat["train"]),
         "chat_val_pairs": len(chat["val"]),
-        "chat_select_prompts": len(held_apart),
         "chat_train_assistant_tokens": sum(
             sum(t != IGNORE_INDEX for t in lab) for _, lab in chat["train"]
         ),
@@ -2196,8 +2172,7 @@ def train_base_model(
 
     before = val_loss()
     phase_log["sft"] = chat_stage(
-        args, model, sft_spec, task, dev, budget_s(deadline, own_sft, later, args.eval_reserve_s),
-        select_by_replies=is_target,
+        args, model, sft_spec, task, dev, budget_s(deadline, own_sft, later, args.eval_reserve_s)
     )
     phase_log["sft"].update(val_loss_before=before, val_loss_after=val_loss())
     log(f"{key}: validation loss {before:.3f} before the chat stage, "
@@ -2217,13 +2192,9 @@ def chat_stage(
     task: dict[str, Any],
     dev: dict[str, torch.Tensor],
     budget: float,
-    select_by_replies: bool = False,
 ) -> dict[str, Any]:
     """The short supervised chat stage (default_model_sft.sft_stage) on the chat examples,
-    each step mixed with one pre-training batch of the same stream (files + stop examples).
-    With ``select_by_replies`` (the target) it keeps the checkpoint whose greedy replies to
-    the held-apart requests most often stop and hold a function, not the lowest chat loss:
-    the loss of a few pairs does not see a reply that loops."""
+    each step mixed with one pre-training batch of the same stream (files + stop examples)."""
     device = torch.device(args.device)
     bos_id = task["bos_id"]
     lm_batches = batch_iterator(
@@ -2247,21 +2218,10 @@ def chat_stage(
 
     log(f"{lm_spec.name.removesuffix('_lm')}: budget {budget:.0f}s, at most {args.sft_max_steps} "
         f"steps, {len(task['chat_train'])} chat examples")
-    score = None
-    if select_by_replies and task["chat_select"]:
-        def score(m: nn.Module) -> float:
-            outs = sft.generate_until(
-                m, task["chat_select"], args.chat_eval_new_tokens, task["stop_ids"],
-                args.sft_select_penalty, task["pad_id"],
-            )
-            replies = [(task["decode"](ids), stopped) for ids, stopped in outs]
-            return (sft.share([st for _, st in replies])
-                    + sft.share([sft.reply_has_function(r) for r, _ in replies])) / 2
     result = sft.sft_stage(
         model, draw, lm_batches, lm_loss, task["chat_val"], settings, log,
-        lambda: autocast(device), score,
+        lambda: autocast(device),
     )
-    settings["select_prompts"] = len(task["chat_select"]) if score is not None else 0
     return {**result, "settings": {k: v for k, v in settings.items() if k != "pad_id"}}
 
 

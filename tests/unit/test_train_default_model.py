@@ -436,14 +436,9 @@ def test_stop_and_chat_stages_and_kvserve_loads_the_target(run_dir: Path) -> Non
     corpus = json.loads((run_dir / "corpus.json").read_text())
     assert corpus["tasks"]["stop_examples"] > 0 and corpus["tasks"]["chat_train_pairs"] > 0
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert corpus["tasks"]["chat_select_prompts"] == 3  # held apart from the chat pairs
-    draft_chat = metrics["draft"]["sft"]  # kept by chat loss
-    assert draft_chat["steps"] > 0 and draft_chat["best_select_score"] is None
-    assert draft_chat["best_chat_val_loss"] <= draft_chat["chat_val_loss_before"]
-    chat = metrics["target"]["sft"]  # kept by its replies to the held-apart requests
-    scores = [h["select_score"] for h in chat["history"]]
-    assert chat["steps"] > 0 and chat["best_select_score"] == max(scores)
-    assert chat["settings"]["select_prompts"] == 3
+    for key in ("target", "draft"):
+        chat = metrics[key]["sft"]
+        assert chat["steps"] > 0 and chat["best_chat_val_loss"] <= chat["chat_val_loss_before"]
     runs = metrics["stop_and_chat"]
     assert [r["repetition_penalty"] for r in runs] == [1.0, 1.1, 1.3]
     assert all(0 <= r["stop_share"] <= 1 and r["chat_prompts"] > 0 for r in runs)
