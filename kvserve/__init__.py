@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.inputs import TextPrompt, TokensPrompt
 from kvserve.lora.request import LoRARequest
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "EngineArgs", "LoRARequest", "RequestOutput",
-           "SamplingParams"]
+           "SamplingParams", "TextPrompt", "TokensPrompt"]
 
 if TYPE_CHECKING:
     from kvserve.engine.args import EngineArgs

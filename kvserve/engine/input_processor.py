@@ -1,6 +1,7 @@
 """The one door into the engine: prompt + parameters -> ``EngineRequest``.
 
-``InputProcessor.process`` tokenizes a prompt (text or token ids) once,
+``InputProcessor.process`` tokenizes a prompt (text or token ids, bare or
+in a ``kvserve.inputs`` dict) once,
 validates the ids against the vocabulary, resolves the ``SamplingParams``
 once (a copy: ``max_tokens`` filled in, checked against the context and
 ``max_logprobs``, the structured-output grammar compiled and bound), checks
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +26,10 @@ from kvserve.config import EngineConfig
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.structured_output import StructuredOutputCompiler
 from kvserve.engine.tokenizer import Tokenizer
+from kvserve.inputs import Prompt
 from kvserve.lora.request import LoRARequest
 
-Prompt = str | list[int]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class RequestOutputKind(enum.Enum):
@@ -103,6 +106,8 @@ class InputProcessor:
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt (text or ids), validated."""
+        if isinstance(prompt, dict):
+            prompt = _unwrap(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
@@ -196,3 +201,24 @@ class InputProcessor:
                 f"lora_request: adapter '{lora_request.lora_name}' was given but LoRA is not "
                 "enabled; create the engine with enable_lora=True (--enable-lora)"
             )
+
+
+def _unwrap(prompt: Mapping[str, Any]) -> str | list[int]:
+    """The text or ids inside a ``TextPrompt`` / ``TokensPrompt`` dict."""
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"prompt: key {unknown[0]!r} is not supported; a prompt dict has "
+                         f"one of {', '.join(PROMPT_KEYS)}")
+    if len(prompt) != 1:
+        raise ValueError(f"prompt: a prompt dict has exactly one of {', '.join(PROMPT_KEYS)}, "
+                         f"got {sorted(prompt) or 'none'}")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"prompt: 'prompt' must be a string, got "
+                             f"{type(prompt['prompt']).__name__}")
+        return prompt["prompt"]
+    ids = prompt["prompt_token_ids"]
+    if isinstance(ids, str) or not isinstance(ids, (list, tuple)):
+        raise ValueError(f"prompt: 'prompt_token_ids' must be a list of token ids, got "
+                         f"{type(ids).__name__}")
+    return list(ids)

@@ -15,10 +15,11 @@ from tqdm import tqdm
 
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import EngineArgs
-from kvserve.engine.input_processor import Prompt, RequestOutputKind
+from kvserve.engine.input_processor import RequestOutputKind
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.tokenizer import Tokenizer
+from kvserve.inputs import Prompt
 from kvserve.lora.request import LoRARequest
 
 Message = dict[str, str]
@@ -58,7 +59,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in the order given.
 
-        A prompt is a string or a list of token ids; ``sampling_params`` and
+        A prompt is a string, a list of token ids, or vLLM's dict forms
+        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
+        (``kvserve.inputs``); ``sampling_params`` and
         ``lora_request`` (an adapter, or None for the base model) are one for
         all or one per prompt. Every prompt and adapter is validated before
         any runs, so a bad one raises ValueError and nothing is queued.
@@ -139,8 +142,8 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+    if isinstance(prompts, (str, dict)):
+        return [cast("Prompt", prompts)]
     items = list(prompts)
     if items and all(isinstance(p, int) for p in items):
         return [cast("list[int]", items)]

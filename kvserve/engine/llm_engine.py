@@ -24,14 +24,10 @@ from kvserve.engine.args import EngineArgs
 from kvserve.engine.core_client import CoreClient, EngineCoreRequest, InprocCoreClient
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_core import EngineCore, Executor, create_executor
-from kvserve.engine.input_processor import (
-    EngineRequest,
-    InputProcessor,
-    Prompt,
-    RequestOutputKind,
-)
+from kvserve.engine.input_processor import EngineRequest, InputProcessor, RequestOutputKind
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from kvserve.inputs import Prompt
 from kvserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)

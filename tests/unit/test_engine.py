@@ -8,11 +8,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, TextPrompt, TokensPrompt
 from kvserve.core.outputs import EngineCoreOutput
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.input_processor import RequestOutputKind
@@ -191,6 +192,22 @@ def test_text_prompts_stop_strings_and_chat(tokenized_checkpoint: Path) -> None:
     assert len(reply.outputs[0].token_ids) == 4
 
 
+def test_vllm_prompt_dicts_match_bare_prompts(tokenized_checkpoint: Path) -> None:
+    """``{"prompt": text}`` and ``{"prompt_token_ids": ids}`` (vLLM's TextPrompt and
+    TokensPrompt), alone or in a list, run as the bare text and ids do."""
+    llm = LLM(model=str(tokenized_checkpoint))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    [bare_text, bare_ids] = llm.generate(["hello world", [5, 6, 7]], params, use_tqdm=False)
+    [one] = llm.generate(TextPrompt(prompt="hello world"), params, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "hello world"}, TokensPrompt(prompt_token_ids=[5, 6, 7])],
+                         params, use_tqdm=False)
+    for out in (one, dicts[0]):
+        assert out.prompt == "hello world"
+        assert out.outputs[0].token_ids == bare_text.outputs[0].token_ids
+    assert dicts[1].prompt_token_ids == [5, 6, 7]
+    assert dicts[1].outputs[0].token_ids == bare_ids.outputs[0].token_ids
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "needle"),
     [
@@ -201,10 +218,15 @@ def test_text_prompts_stop_strings_and_chat(tokenized_checkpoint: Path) -> None:
         ([3, 4, -1], SamplingParams(max_tokens=4), "prompt\\[2\\]=-1"),
         ([3, 4.0], SamplingParams(max_tokens=4), "prompt\\[1\\]=4.0"),
         ([3, "5"], SamplingParams(max_tokens=4), "prompt\\[1\\]='5'"),
+        ({"prompt_token_ids": [3, 10_000]}, SamplingParams(max_tokens=4), "prompt\\[1\\]"),
+        ({"prompt_ids": [3, 4]}, SamplingParams(max_tokens=4), "'prompt_ids' is not supported"),
+        ({"prompt": "a", "prompt_token_ids": [3]}, SamplingParams(max_tokens=4), "exactly one"),
+        ({"prompt_token_ids": "3 4"}, SamplingParams(max_tokens=4), "must be a list"),
+        ({"prompt": [3, 4]}, SamplingParams(max_tokens=4), "'prompt' must be a string"),
     ],
 )
 def test_bad_requests_fail_clearly_and_others_finish(
-    prompt: list[int], params: SamplingParams, needle: str,
+    prompt: Any, params: SamplingParams, needle: str,
     tiny_checkpoint: Callable[[str], Path], reference_outputs: list[list[int]],
 ) -> None:
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_checkpoint("llama"))))
