@@ -2,7 +2,8 @@
 """Train an EAGLE head (``kvserve/spec/eagle.py``) for a target model, then
 measure it in kvserve's engine.
 
-The head reads the target's final hidden state ``f_t`` and the embedding of
+The head reads the target's final hidden state ``f_t`` (with ``--aux-layers``,
+also the streams entering those target layers, fused) and the embedding of
 the next token ``x_{t+1}`` and predicts ``f_{t+1}``; the target's LM head
 turns that into a distribution over ``x_{t+2}``. Training data is code (by
 default the bundled family's corpus and split, ``FAMILY_PACKAGES`` of
@@ -94,11 +95,13 @@ class DenseCausalAttention(nn.Module):
         return out.transpose(1, 2).reshape(batch * seq, self.num_heads * self.head_dim)
 
 
-def make_trainable_head(head_config: dict[str, Any], target: nn.Module) -> EagleHead:
+def make_trainable_head(head_config: dict[str, Any], target: nn.Module,
+                        aux_layer_ids: tuple[int, ...] = ()) -> EagleHead:
     """kvserve's head with dense attention, its decoder layer copied from the
     target's last layer (packed as kvserve packs it), ``fc`` passing the
-    feature through."""
-    head = EagleHead(head_model_config(head_config, "head config"))
+    feature through and ``fuse`` (with aux layers) passing the final hidden
+    state through, so training starts from the one-feature head."""
+    head = EagleHead(head_model_config(head_config, "head config"), aux_layer_ids)
     attn = head.layer.self_attn
     attn.attn = DenseCausalAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                      attn.head_dim ** -0.5)
@@ -117,6 +120,9 @@ def make_trainable_head(head_config: dict[str, Any], target: nn.Module) -> Eagle
         head.norm.weight.copy_(target.model.norm.weight)
         head.fc.weight.normal_(0.0, 0.02)
         head.fc.weight[:, hidden:] += torch.eye(hidden)
+        if head.fuse is not None:
+            head.fuse.weight.zero_()
+            head.fuse.weight[:, -hidden:] = torch.eye(hidden)
     for param in head.parameters():
         param.requires_grad_(True)
     return head
@@ -176,20 +182,30 @@ def windows(stream: np.ndarray, seq_len: int, batch: int, rng: np.random.Generat
 
 
 @torch.no_grad()
-def target_outputs(target: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's final hidden states and next-token log-probabilities."""
-    hidden = target.model(input_ids=ids).last_hidden_state
-    return hidden, torch.log_softmax(target.lm_head(hidden).float(), dim=-1)
+def target_outputs(target: nn.Module, ids: torch.Tensor, aux_layer_ids: tuple[int, ...] = ()
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The target's final hidden states, next-token log-probabilities and the
+    streams entering ``aux_layer_ids`` (``[B, L, n, H]``; transformers'
+    ``hidden_states[i]``), or None."""
+    out = target.model(input_ids=ids, output_hidden_states=bool(aux_layer_ids))
+    hidden = out.last_hidden_state
+    aux = (torch.stack([out.hidden_states[i] for i in aux_layer_ids], dim=2)
+           if aux_layer_ids else None)
+    return hidden, torch.log_softmax(target.lm_head(hidden).float(), dim=-1), aux
 
 
 def unrolled_loss(head: EagleHead, target: nn.Module, ids: torch.Tensor, unroll: int,
                   ce_weight: float) -> tuple[torch.Tensor, list[float]]:
     """The chained steps' losses and each step's top-1 agreement with the target."""
-    features, logprobs = target_outputs(target, ids)
+    features, logprobs, aux = target_outputs(target, ids, head.aux_layer_ids)
     embed = target.model.embed_tokens
     total = torch.zeros((), device=ids.device)
     agreement = []
-    inputs = features
+    batch, seq_len, hidden = features.shape
+    inputs = head.target_features(
+        features.reshape(-1, hidden),
+        None if aux is None else aux.reshape(batch * seq_len, -1, hidden),
+    ).reshape(batch, seq_len, hidden)
     for step in range(1, unroll + 1):
         seq = ids.shape[1] - step
         if seq < 1:
@@ -295,10 +311,12 @@ def engine_eval(args: argparse.Namespace, heldout: list[str], tokenizer: Any
 
 def write_card(out: Path, result: dict[str, Any]) -> None:
     evaluation = result.get("engine", {})
+    aux = result["args"].get("aux_layers", ())
     lines = [f"# {out.name}", "",
              f"EAGLE head for `{Path(result['target']).name}` (kvserve/spec/eagle.py), trained "
              "by scripts/train_eagle_head.py: one decoder layer over the target's final hidden "
-             "states and token embeddings; the target's LM head.", "",
+             "states" + (f" (fused with the streams entering layers {list(aux)})" if aux else "")
+             + " and token embeddings; the target's LM head.", "",
              f"Trained {result['train']['steps']} steps in {result['train']['train_s']:.0f} s "
              f"on {result['device']} ({result['num_params']:,} parameters, {result['dtype']}).",
              "", "| held-out | value |", "|---|---:|",
@@ -335,6 +353,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--unroll", type=int, default=3, help="chained steps trained on")
     p.add_argument("--ce-weight", type=float, default=1.0)
+    p.add_argument("--aux-layers", type=lambda t: tuple(int(x) for x in t.split(",") if x),
+                   default=(), help="comma-separated target layers whose input streams the "
+                   "head also reads (EAGLE-3 style; default: the final hidden state only)")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--eval-k", type=int, default=4)
@@ -372,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     streams = {name: encode(tokenizer, texts, args.bos_id) for name, texts in splits.items()}
     log(f"corpus: {len(splits['train'])} train / {len(splits['heldout'])} held-out files, "
         f"{streams['train'].size:,} / {streams['heldout'].size:,} tokens; device {device}")
-    head_config = eagle_head_config(target_config)
-    head = make_trainable_head(head_config, target.float()).to(device)
+    head_config = eagle_head_config(target_config, args.aux_layers)
+    head = make_trainable_head(head_config, target.float(), args.aux_layers).to(device)
     target = target.to(dtype)
     result: dict[str, Any] = {"target": str(target_dir), "device": str(device),
                               "args": {k: v for k, v in vars(args).items()},

@@ -151,6 +151,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
         layout = building_state().layout
+        self.config_hidden_size = config.hidden_size
         self.is_first_stage, self.is_last_stage = layout.is_first_stage, layout.is_last_stage
         self.start_layer, self.end_layer = layer_range(config.num_layers, layout.pp_size,
                                                        layout.pp_rank)
@@ -167,6 +168,19 @@ class LlamaModel(nn.Module):
         )
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
                      if self.is_last_stage else None)
+        # an EAGLE head's extra features (keep_aux_hidden_states): layer id -> slot in
+        # aux_hidden, [max_tokens, len(ids), hidden_size], written by every forward
+        self.aux_slots: dict[int, int] = {}
+        self.aux_hidden: torch.Tensor | None = None
+
+    def keep_aux_hidden_states(self, layer_ids: tuple[int, ...], max_tokens: int) -> None:
+        """From now on each forward writes the residual stream entering each of
+        ``layer_ids`` (what transformers' ``hidden_states[i]`` holds) into
+        ``aux_hidden``, a fixed buffer CUDA graphs capture writes to."""
+        weight = next(self.parameters())
+        self.aux_slots = {layer: slot for slot, layer in enumerate(layer_ids)}
+        self.aux_hidden = torch.zeros(max_tokens, len(layer_ids), self.config_hidden_size,
+                                      dtype=weight.dtype, device=weight.device)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
@@ -178,8 +192,13 @@ class LlamaModel(nn.Module):
             hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         else:  # [num_tokens, 2, hidden_size]: the previous stage's hidden states and residual
             hidden_states, residual = (t.contiguous() for t in intermediate.unbind(1))
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual, metadata)
+        for i in range(self.start_layer, self.end_layer):
+            if i in self.aux_slots:
+                assert self.aux_hidden is not None
+                stream = hidden_states if residual is None else hidden_states + residual
+                self.aux_hidden[:len(stream), self.aux_slots[i]].copy_(stream)
+            hidden_states, residual = self.layers[i](positions, hidden_states, residual,
+                                                     metadata)
         if self.norm is None:  # the next stage goes on from here
             assert residual is not None
             return torch.stack((hidden_states, residual), dim=1)
@@ -234,6 +253,13 @@ class LlamaForCausalLM(CausalLM):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.model.embed_tokens is not None, "only the first pipeline stage embeds"
         return self.model.embed_tokens(input_ids)
+
+    def keep_aux_hidden_states(self, layer_ids: tuple[int, ...], max_tokens: int) -> None:
+        self.model.keep_aux_hidden_states(layer_ids, max_tokens)
+
+    def aux_hidden_states(self, num_tokens: int) -> torch.Tensor | None:
+        aux = self.model.aux_hidden
+        return None if aux is None else aux[:num_tokens]
 
     def _route(self, name: str) -> tuple[str, ShardId, tuple[str, ...]]:
         """HF tensor name -> (our parameter name, shard id, HF names that parameter holds)."""

@@ -46,6 +46,16 @@ class CausalLM(nn.Module):
         (an EAGLE head reads the target's)."""
         raise NotImplementedError
 
+    def keep_aux_hidden_states(self, layer_ids: tuple[int, ...], max_tokens: int) -> None:
+        """Have every forward keep the residual streams entering ``layer_ids``
+        (an EAGLE head with aux layers reads them) for up to ``max_tokens`` rows."""
+        raise NotImplementedError
+
+    def aux_hidden_states(self, num_tokens: int) -> torch.Tensor | None:
+        """``[num_tokens, len(layer_ids), hidden_size]`` of the last forward, or
+        None when none are kept."""
+        raise NotImplementedError
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from HF-named tensors; ValueError naming any bad tensor."""
         raise NotImplementedError

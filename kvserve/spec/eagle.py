@@ -13,6 +13,12 @@ row of that last kept token already predicts the first proposal. Each
 further proposal is a one-token step on the previous proposal and the
 head's own output feature (a chain; no tree). Proposals are the argmax.
 
+A head may also read the target's earlier layers, as EAGLE-3 does: with
+``eagle_aux_hidden_state_layer_ids`` in its config, the target keeps the
+residual streams entering those layers on every forward, and the head's
+``fuse`` maps ``[aux_1; ...; aux_n; f_t]`` to the feature it reads for the
+target's rows (its own chained rows still read its output).
+
 A head is a directory with ``config.json`` (``architectures:
 ["EagleHead"]``, the layer's shape, the target's ``hidden_size`` and
 ``vocab_size``) and ``model.safetensors`` in this module's parameter names;
@@ -40,6 +46,9 @@ from kvserve.models.llama import LlamaAttention, LlamaDecoderLayer
 from kvserve.models.registry import CausalLM
 from kvserve.spec.proposer import ChainProposer, ProposerSetting, ProposerStep
 
+# a head config's target layers whose input streams it fuses (vLLM's EAGLE-3 key)
+AUX_KEY = "eagle_aux_hidden_state_layer_ids"
+
 
 def head_model_config(config: dict[str, Any], source: str) -> ModelConfig:
     """The head's layer shape (``config.json`` of a head) as a one-layer Llama config."""
@@ -49,12 +58,17 @@ def head_model_config(config: dict[str, Any], source: str) -> ModelConfig:
 
 
 class EagleHead(nn.Module):
-    """``fc`` over ``[embedding; feature]``, one decoder layer, a final norm."""
+    """``fc`` over ``[embedding; feature]``, one decoder layer, a final norm;
+    with ``aux_layer_ids``, ``fuse`` first makes the target's feature from the
+    residual streams entering those layers and the final hidden state."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, aux_layer_ids: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.config = config
+        self.aux_layer_ids = aux_layer_ids
         hidden = config.hidden_size
+        self.fuse = (Linear((len(aux_layer_ids) + 1) * hidden, hidden, bias=False)
+                     if aux_layer_ids else None)
         self.fc = Linear(2 * hidden, hidden, bias=False)
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                  config.rope_parameters)
@@ -73,6 +87,16 @@ class EagleHead(nn.Module):
         out, _ = self.norm(hidden, residual)
         return out
 
+    def target_features(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """The feature the head reads for the target's rows: the final hidden
+        state ``[T, hidden]``, or ``fuse([aux_1; ...; aux_n; final])`` over the
+        aux layers' streams ``[T, n, hidden]``."""
+        if self.fuse is None:
+            return hidden
+        assert aux is not None, "a head with aux layers reads the target's aux hidden states"
+        return self.fuse(torch.cat([aux.reshape(len(hidden), -1).to(hidden.dtype), hidden],
+                                   dim=-1))
+
 
 class EagleProposer(ChainProposer):
     """An EAGLE head running beside the target, with the target's embeddings
@@ -86,8 +110,11 @@ class EagleProposer(ChainProposer):
     @torch.inference_mode()
     def run(self, step: ProposerStep) -> torch.Tensor | None:
         assert step.hidden is not None, "an EAGLE head reads the target's hidden states"
-        out = self.head(self.target.embed_input_ids(self._next_ids(step)),
-                        step.hidden[:len(step.input_ids)], step.positions, step.metadata)
+        num_tokens = len(step.input_ids)
+        features = self.head.target_features(step.hidden[:num_tokens],
+                                             self.target.aux_hidden_states(num_tokens))
+        out = self.head(self.target.embed_input_ids(self._next_ids(step)), features,
+                        step.positions, step.metadata)
         rows = np.flatnonzero(step.num_draft > 0)
         if not len(rows):
             return None
@@ -128,15 +155,31 @@ class EagleProposer(ChainProposer):
         return next_ids
 
 
-def eagle_head_config(target_config: dict[str, Any]) -> dict[str, Any]:
+def eagle_head_config(target_config: dict[str, Any],
+                      aux_layer_ids: tuple[int, ...] = ()) -> dict[str, Any]:
     """A head's ``config.json`` for a target's ``config.json``: the target's
-    layer shape, one layer."""
+    layer shape, one layer, and the target layers whose streams it fuses
+    (``eagle_aux_hidden_state_layer_ids``, vLLM's EAGLE-3 key; none: the
+    final hidden state alone)."""
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
             "rope_theta", "rope_scaling", "hidden_act", "vocab_size", "attention_bias",
             "mlp_bias")
     config = {key: target_config[key] for key in keys if key in target_config}
-    return {"architectures": ["EagleHead"], **config, "num_hidden_layers": 1}
+    aux = {AUX_KEY: list(aux_layer_ids)} if aux_layer_ids else {}
+    return {"architectures": ["EagleHead"], **config, "num_hidden_layers": 1, **aux}
+
+
+def aux_layer_ids(config: dict[str, Any], source: str, num_target_layers: int | None = None
+                  ) -> tuple[int, ...]:
+    """A head config's aux layer ids, checked (distinct target layers, in order)."""
+    ids = config.get(AUX_KEY) or []
+    limit = num_target_layers if num_target_layers is not None else 1 << 30
+    if (not isinstance(ids, list) or not all(type(i) is int and 0 <= i < limit for i in ids)
+            or sorted(set(ids)) != ids):
+        raise ValueError(f"{source}: field '{AUX_KEY}'={ids!r} is invalid: must be increasing "
+                         f"distinct layer ids of the target, in [0, {limit - 1}]")
+    return tuple(ids)
 
 
 def save_eagle_head(head: EagleHead, config: dict[str, Any], path: Path) -> None:
@@ -150,12 +193,12 @@ def save_eagle_head(head: EagleHead, config: dict[str, Any], path: Path) -> None
 
 
 def write_random_eagle_head(target_config: dict[str, Any], path: Path, std: float,
-                            seed: int = 0) -> Path:
+                            seed: int = 0, aux_layer_ids: tuple[int, ...] = ()) -> Path:
     """An untrained head for a target (normal weights of ``std``, norm scales
     1) written to ``path``: for tests and for timing on random weights."""
-    config = eagle_head_config(target_config)
+    config = eagle_head_config(target_config, aux_layer_ids)
     torch.manual_seed(seed)
-    head = EagleHead(head_model_config(config, "random"))
+    head = EagleHead(head_model_config(config, "random"), aux_layer_ids)
     with torch.no_grad():
         for param in head.parameters():
             param.normal_(0.0, std) if param.dim() > 1 else param.fill_(1.0)
@@ -163,17 +206,21 @@ def write_random_eagle_head(target_config: dict[str, Any], path: Path, std: floa
     return path
 
 
-def load_eagle_head(path: Path, device: torch.device, dtype: torch.dtype) -> EagleHead:
-    """A head from its directory; ValueError naming a tensor that does not fit."""
+def load_eagle_head(path: Path, device: torch.device, dtype: torch.dtype,
+                    num_target_layers: int | None = None) -> EagleHead:
+    """A head from its directory; ValueError naming a tensor that does not fit
+    (or an aux layer the target, of ``num_target_layers``, lacks)."""
     from safetensors.torch import load_file
 
-    config = head_model_config(json.loads((path / "config.json").read_text(encoding="utf-8")),
-                               str(path / "config.json"))
+    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    config = head_model_config(raw, str(path / "config.json"))
+    aux = aux_layer_ids(raw, f"speculative_config.model={str(path)!r}: config.json",
+                        num_target_layers)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters in dtype; the rope cache stays float32
     try:
         with torch.device(device):
-            head = EagleHead(config)
+            head = EagleHead(config, aux)
     finally:
         torch.set_default_dtype(previous)
     weights = load_file(str(path / "model.safetensors"), device=str(device))
@@ -194,8 +241,11 @@ def load_eagle_head(path: Path, device: torch.device, dtype: torch.dtype) -> Eag
 
 
 def load_eagle_proposer(setting: ProposerSetting, target: CausalLM, path: Path) -> EagleProposer:
-    """Load the head at ``path`` beside ``target`` (its embedding is shared)."""
-    head = load_eagle_head(path, setting.device, setting.dtype)
+    """Load the head at ``path`` beside ``target`` (its embedding is shared);
+    a head with aux layers makes the target keep their streams."""
+    head = load_eagle_head(path, setting.device, setting.dtype, target.config.num_layers)
+    if head.aux_layer_ids:
+        target.keep_aux_hidden_states(head.aux_layer_ids, setting.max_tokens)
     if setting.use_triton:
         set_triton_ops(head, True)
     return EagleProposer(head, target, **setting.chain_kwargs())

@@ -53,6 +53,7 @@ class ProposerSetting:
     max_rows: int
     graph_sizes: tuple[int, ...]
     use_triton: bool
+    max_tokens: int  # the most rows a target step runs (its step buffers' size)
 
     def chain_kwargs(self) -> dict[str, Any]:
         """``ChainProposer``'s keyword arguments."""

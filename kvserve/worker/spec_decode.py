@@ -96,7 +96,7 @@ class SpecDecodeRunner:
         return ProposerSetting(
             runner.backend, runner.device, runner.dtype, runner.block_size,
             runner.scheduler_config.max_model_len, runner.scheduler_config.max_num_seqs,
-            runner.cuda_graph_sizes, runner.sampler.use_triton)
+            runner.cuda_graph_sizes, runner.sampler.use_triton, len(runner.buffers.input_ids))
 
     # ------------------------------------------------------------ the pool
 

@@ -170,6 +170,32 @@ def test_greedy_identical_with_speculation_graphs_on_and_off(
     assert eager == expected
 
 
+def test_eagle_head_with_aux_layers_proposes_the_same_graphed_and_eager(tmp_path: Path) -> None:
+    """A head fusing the streams entering target layers 2, 4 and 5 (written by
+    every forward, inside the decode, token and verify graphs too): the same
+    proposals at every step with CUDA graphs and without (so no graph reads a
+    stale stream), and greedy output equal to plain decoding."""
+    from kvserve.assets import default_model_path
+    from kvserve.spec.eagle import write_random_eagle_head
+    from tests.unit.test_spec_decode import spy_on_proposals
+
+    head = write_random_eagle_head(json.loads((default_model_path() / "config.json").read_text()),
+                                   tmp_path / "head", 0.05, aux_layer_ids=(2, 4, 5))
+    spec = {"method": "eagle", "model": str(head)}
+    expected, _ = run(PROMPTS, False, None)
+    seen = {}
+    for eager in (False, True):
+        kwargs: dict[str, Any] = {
+            "dtype": "float32", "device": "cuda", "max_num_seqs": 8, "enforce_eager": eager,
+            "speculative_config": {**spec, "num_speculative_tokens": 4, "auto_disable": False}}
+        llm = LLM(**kwargs)
+        seen[eager] = spy_on_proposals(llm)
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert len(seen[False]) > 50
+    assert sorted(seen[False]) == sorted(seen[True])
+
+
 def test_oracle_at_full_acceptance_accepts_everything() -> None:
     _, llm = run(PROMPTS[:4], False, {"method": "oracle", "acceptance_rate": 1.0}, passes=2)
     stats = llm.stats()

@@ -25,6 +25,7 @@ from kvserve.spec.eagle import (
     head_model_config,
     load_eagle_head,
     save_eagle_head,
+    write_random_eagle_head,
 )
 from tests.conftest import make_tiny_checkpoint
 from tests.unit.test_spec_decode import spy_on_proposals
@@ -52,10 +53,14 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def dense_proposals(script: ModuleType, reference: Any, head: EagleHead, tokens: list[int],
                     num: int) -> list[int]:
     """The head's chain on ``tokens`` recomputed from scratch with dense
-    attention and transformers' target features."""
+    attention and transformers' target features (fused with its
+    ``hidden_states`` of the aux layers, when the head has some)."""
     with torch.no_grad():
         ids = torch.tensor([tokens])
-        features = reference.model(input_ids=ids).last_hidden_state[0]  # f_0 .. f_m
+        out = reference.model(input_ids=ids, output_hidden_states=True)
+        aux = torch.stack([out.hidden_states[i][0] for i in head.aux_layer_ids], dim=1) \
+            if head.aux_layer_ids else None
+        features = head.target_features(out.last_hidden_state[0], aux)  # f_0 .. f_m
         last = len(tokens) - 1
         inputs = list(tokens[1:])  # x_{t+1} for rows t = 0 .. last - 1
         feats = [features[t] for t in range(last)]
@@ -69,13 +74,16 @@ def dense_proposals(script: ModuleType, reference: Any, head: EagleHead, tokens:
     return proposals
 
 
+@pytest.mark.parametrize("aux", [(), (0, 1)])
 def test_eagle_proposals_match_a_dense_reference(script: ModuleType, target: Path,
-                                                 tmp_path: Path) -> None:
+                                                 tmp_path: Path, aux: tuple[int, ...]) -> None:
+    """Also for a head that fuses the streams entering target layers 0 and 1
+    (what the engine keeps in every forward, eager here)."""
     import transformers
 
-    config = eagle_head_config(json.loads((target / "config.json").read_text()))
+    config = eagle_head_config(json.loads((target / "config.json").read_text()), aux)
     torch.manual_seed(1)
-    head = EagleHead(head_model_config(config, "test"))
+    head = EagleHead(head_model_config(config, "test"), aux)
     with torch.no_grad():
         for param in head.parameters():
             param.normal_(0.0, 0.15) if param.dim() > 1 else param.fill_(1.0)
@@ -88,6 +96,7 @@ def test_eagle_proposals_match_a_dense_reference(script: ModuleType, target: Pat
     llm.generate(PROMPTS, params, use_tqdm=False)
     reference = transformers.AutoModelForCausalLM.from_pretrained(target).eval()
     dense = load_eagle_head(tmp_path / "head", torch.device("cpu"), torch.float32)
+    assert dense.aux_layer_ids == aux
     attn = dense.layer.self_attn
     attn.attn = script.DenseCausalAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                             attn.head_dim ** -0.5)
@@ -96,8 +105,25 @@ def test_eagle_proposals_match_a_dense_reference(script: ModuleType, target: Pat
         assert dense_proposals(script, reference, dense, tokens, len(proposals)) == proposals
 
 
+@pytest.mark.parametrize("ids", [(2,), (1, 5), (1, 0), [1.0], "1"])
+def test_a_head_whose_aux_layers_do_not_fit_fails_at_start_up(target: Path, tmp_path: Path,
+                                                              ids: Any) -> None:
+    """The tiny target has 2 layers: a layer past them, unsorted or non-int ids
+    are refused at start-up with the field named."""
+    path = tmp_path / "head"
+    config = json.loads((target / "config.json").read_text())
+    write_random_eagle_head(config, path, 0.1)
+    head_config = json.loads((path / "config.json").read_text())
+    head_config["eagle_aux_hidden_state_layer_ids"] = list(ids) if isinstance(ids, tuple) else ids
+    (path / "config.json").write_text(json.dumps(head_config))
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        LLM(model=str(target), speculative_config={"method": "eagle", "model": str(path),
+                                                   "num_speculative_tokens": 2})
+
+
 @pytest.mark.slow
-def test_train_eagle_head_toy_run(target: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("aux", ["", "1"])
+def test_train_eagle_head_toy_run(target: Path, tmp_path: Path, aux: str) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(12):
@@ -105,8 +131,11 @@ def test_train_eagle_head_toy_run(target: Path, tmp_path: Path) -> None:
         (corpus / f"module_{i}.py").write_text(body)
     out = tmp_path / "head"
     subprocess.run([sys.executable, str(SCRIPT), "--toy", "--target", str(target),
-                    "--corpus-dir", str(corpus), "--out", str(out)], check=True, cwd=REPO)
+                    "--corpus-dir", str(corpus), "--out", str(out), "--aux-layers", aux],
+                   check=True, cwd=REPO)
     log = json.loads((out / "train_log.json").read_text())
+    head_config = json.loads((out / "config.json").read_text())
+    assert head_config.get("eagle_aux_hidden_state_layer_ids", []) == ([1] if aux else [])
     assert log["train"]["steps"] == 3 and len(log["heldout_agreement"]) == 2
     assert 0.0 <= log["engine"]["eagle"]["acceptance_rate"] <= 1.0
     assert log["engine"]["eagle"]["mean_accepted_length"] >= 1.0
