@@ -215,6 +215,8 @@ def real_part(args: argparse.Namespace) -> dict[str, Any]:
         methods["eagle"] = {"method": "eagle", "model": str(head)}
     else:
         log(f"real part: no EAGLE head at {head}; train one with scripts/train_eagle_head.py")
+    methods = {name: config for name, config in methods.items()
+               if name == "plain" or name in args.real_methods}
     target_params = _num_params(MODELS_DIR / DEFAULT_MODEL)
     ratios = {"ngram": 0.0, "draft_model": _num_params(MODELS_DIR / DRAFT_MODEL) / target_params,
               "eagle": _num_params(head) / target_params if "eagle" in methods else 0.0}
@@ -340,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real-new-tokens", type=int, default=128)
     parser.add_argument("--real-k", type=int, default=4)
     parser.add_argument("--eagle-head", default=None)
+    parser.add_argument("--real-methods", type=lambda t: t.split(","),
+                        default=["ngram", "draft_model", "eagle"],
+                        help="real part: the proposers run beside plain decoding")
     parser.add_argument("--w2-spec", default='{"method": "ngram", "num_speculative_tokens": 4}')
     args = parser.parse_args(argv)
     return run_parts(Path(args.out), args.parts, {

@@ -163,3 +163,27 @@ def test_bundled_head_speculates_for_the_bundled_target() -> None:
     drafted = stats["spec_decode_num_drafted_tokens_per_pos"][0]
     assert drafted > 20
     assert stats["spec_decode_num_accepted_tokens_per_pos"][0] / drafted > 0.3
+
+
+def test_eagle_table_reads_heads_and_flags_a_failed_one(tmp_path: Path) -> None:
+    """benchmarks/eagle_table.py: a row of the head's training log and, when its
+    benchmark ran, of real.json; exit 1 naming a head without train_log.json."""
+    head = tmp_path / "aux"
+    (tmp_path / "aux-real").mkdir(parents=True)
+    head.mkdir()
+    (head / "train_log.json").write_text(json.dumps({
+        "args": {"aux_layers": [2, 4, 5]}, "train": {"steps": 7000},
+        "heldout_agreement": [0.7, 0.65, 0.6],
+        "engine": {"eagle": {"alpha_first": 0.71, "mean_accepted_length": 3.04}}}))
+    (tmp_path / "aux-real" / "real.json").write_text(json.dumps({
+        "plain": {"decode_tok_s": 1200.0},
+        "eagle": {"alpha_first": 0.7, "mean_accepted_length": 3.1, "decode_tok_s": 480.0,
+                  "same_tokens_as_plain": False}}))
+    table = subprocess.run([sys.executable, str(REPO / "benchmarks" / "eagle_table.py"),
+                            str(head), str(tmp_path / "failed")],
+                           capture_output=True, text=True, check=False)
+    assert table.returncode == 1
+    rows = table.stdout.splitlines()
+    assert rows[2] == ("| aux | 2,4,5 | 7000 | 0.70 0.65 0.60 | 0.71 / 3.04 "
+                       "| 0.70 / 3.10 / 480 of 1200 tok/s (tokens differ) |")
+    assert rows[3] == "| failed | no train_log.json: the run failed (see its log) |"
