@@ -1,26 +1,25 @@
 #!/usr/bin/env bash
-# EAGLE head variants for one target, trained and measured side by side: each variant runs
+# EAGLE head variants for the bundled target, trained and measured side by side: each runs
 # scripts/train_eagle_head.py with its own flags (the script's engine evaluation included),
 # then benchmarks/spec_decode.py's real part with that head beside plain decoding; a table
 # comes last (benchmarks/eagle_table.py). Variants spread over the visible GPUs, one after
 # another on each; each lands in OUT_DIR/NAME (head, log) and OUT_DIR/NAME-real (benchmark).
 #   benchmarks/eagle_heads_gpu.sh OUT_DIR 'NAME[:FLAGS]' ...
 #   benchmarks/eagle_heads_gpu.sh runs/h final-only 'aux-2-4-5:--aux-layers 2,4,5'
-# EAGLE_MINUTES (default 6) sets each head's training time; TARGET (default the bundled
-# target) the model. A variant takes about EAGLE_MINUTES + 3 minutes on an H100: start the
-# script with setsid nohup when a call is limited to 10 minutes.
+# EAGLE_MINUTES (default 6) sets each head's training time. A variant takes about
+# EAGLE_MINUTES + 3 minutes on an H100: start the script with setsid nohup when a call is
+# limited to 10 minutes.
 set -euo pipefail
 out=${1:?output directory}
 shift
 (($# > 0)) || { echo "give at least one variant: NAME[:FLAGS]" >&2; exit 2; }
 source benchmarks/gpu_lib.sh
-target=${TARGET:-kvserve/assets/models/kvserve-code-14m}
 num_gpus=$(nvidia-smi -L | wc -l)
 mkdir -p "$out"
 variant_run() {  # NAME FLAGS: train, then benchmark the head
     local name=$1 flags=$2
     # shellcheck disable=SC2086  # the variant's flags split into words
-    python scripts/train_eagle_head.py --target "$target" --out "$out/$name" \
+    python scripts/train_eagle_head.py --out "$out/$name" \
         --minutes "${EAGLE_MINUTES:-6}" $flags > "$out/$name.log" 2>&1 || return 1
     python benchmarks/spec_decode.py --parts real --real-methods eagle \
         --eagle-head "$out/$name" --out "$out/$name-real" > "$out/$name-real.log" 2>&1
