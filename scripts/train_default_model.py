@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, astuple, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -1784,6 +1784,22 @@ def small_card(title: str, body: str) -> str:
 # --------------------------------------------------------------------------- main
 
 
+def model_size(text: str) -> ModelSize:
+    """``hidden,layers,heads,kv_heads,intermediate`` -> a ModelSize (argparse type)."""
+    try:
+        size = ModelSize(*(int(x) for x in text.split(",")))
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: give five integers, hidden,layers,heads,kv_heads,"
+            "intermediate") from None
+    if min(astuple(size)) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: every figure must be >= 1")
+    if size.hidden_size % size.num_heads or size.num_heads % size.num_kv_heads:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: heads must divide hidden and kv_heads must divide heads")
+    return size
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1869,6 +1885,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             default=None,
             help=f"default: {FULL_PRESET[name]} (--tiny: {TINY_PRESET[name]})",
         )
+    for key in ("target", "draft"):
+        p.add_argument(
+            f"--{key}-size",
+            type=model_size,
+            default=None,
+            help=f"the {key}'s shape: hidden,layers,heads,kv_heads,intermediate (default: "
+            + ",".join(map(str, astuple(FULL_PRESET[key]))) + ")",
+        )
     p.add_argument(
         "--init-from",
         type=Path,
@@ -1879,6 +1903,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "stage, a new LoRA adapter. Unset flags take WARM_PRESET's values (not with --tiny)",
     )
     args = p.parse_args(argv)
+    for key in ("target", "draft"):
+        if getattr(args, f"{key}_size") is not None:
+            setattr(args, key, getattr(args, f"{key}_size"))
     preset = TINY_PRESET if args.tiny else FULL_PRESET
     if args.init_from is not None and not args.tiny:
         preset = {**preset, **WARM_PRESET}

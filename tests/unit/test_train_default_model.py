@@ -539,3 +539,19 @@ def test_warm_start_continues_the_released_family(
         assert needle in card, needle
     config = json.loads((warm["target"] / "config.json").read_text())
     assert config["eos_token_id"] == [1, 6]
+
+
+def test_model_size_flags_set_the_shapes_and_refuse_bad_ones(
+        tdm: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    """--target-size / --draft-size: five integers, over the preset (also under --tiny);
+    a malformed or inconsistent shape exits naming the flag and what is allowed."""
+    args = tdm.parse_args(["--out", "x", "--tiny", "--target-size", "96,3,4,2,160"])
+    assert args.target == tdm.ModelSize(96, 3, 4, 2, 160)
+    assert args.draft == tdm.TINY_PRESET["draft"]
+    assert tdm.parse_args(["--out", "x"]).target == tdm.FULL_PRESET["target"]
+    for bad, why in [("96,3,4,3,160", "kv_heads must divide heads"),
+                     ("96,3,4", "five integers"), ("0,1,1,1,1", ">= 1")]:
+        with pytest.raises(SystemExit):
+            tdm.parse_args(["--out", "x", "--draft-size", bad])
+        err = capsys.readouterr().err
+        assert "--draft-size" in err and why in err
