@@ -7,7 +7,8 @@
 #   benchmarks/family_variants_gpu.sh OUT_DIR 'NAME[:FLAGS]' ...
 #   benchmarks/family_variants_gpu.sh runs/v shipped 'short-chat:--sft-max-chars 1000' \
 #       'long-chat:--sft-minutes 1.5'
-# EAGLE_MINUTES (default 6; 0 skips the heads) sets each head's training time. A variant's
+# EAGLE_MINUTES (default 6; 0 skips the heads) sets each head's training time and EAGLE_FLAGS
+# adds flags to its training (e.g. --aux-layers auto). A variant's
 # whole run takes about 12 + EAGLE_MINUTES minutes on an H100: start the script with
 # setsid nohup when a call is limited to 10 minutes.
 set -euo pipefail
@@ -30,8 +31,10 @@ for variant in "$@"; do
         python scripts/train_default_model.py --out "$out/$name" --packages "$packages" \
             $flags > "$out/$name.log" 2>&1
         if [[ ${EAGLE_MINUTES:-6} != 0 ]]; then
+            # shellcheck disable=SC2086  # EAGLE_FLAGS split into words
             python scripts/train_eagle_head.py --target "$(ls -d "$out/$name"/kvserve-code-[0-9]*)" \
                 --out "$out/$name/kvserve-code-eagle-head" --minutes "${EAGLE_MINUTES:-6}" \
+                ${EAGLE_FLAGS:-} \
                 > "$out/$name-eagle.log" 2>&1
         fi
     ) &

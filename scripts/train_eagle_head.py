@@ -332,6 +332,13 @@ def write_card(out: Path, result: dict[str, Any]) -> None:
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
+def aux_layers(text: str, num_layers: int) -> tuple[int, ...]:
+    """``--aux-layers``: ids, or 'auto' (vLLM's EAGLE-3 default for the target's depth)."""
+    if text == "auto":  # a shallow target keeps those of its layers that exist
+        return tuple(sorted({2, num_layers // 2, num_layers - 3} & set(range(num_layers))))
+    return tuple(int(x) for x in text.split(",") if x)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=str(MODELS_DIR / DEFAULT_MODEL))
@@ -353,9 +360,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--unroll", type=int, default=3, help="chained steps trained on")
     p.add_argument("--ce-weight", type=float, default=1.0)
-    p.add_argument("--aux-layers", type=lambda t: tuple(int(x) for x in t.split(",") if x),
-                   default=(), help="comma-separated target layers whose input streams the "
-                   "head also reads (EAGLE-3 style; default: the final hidden state only)")
+    p.add_argument("--aux-layers", default="",
+                   help="comma-separated target layers whose input streams the head also "
+                   "reads (EAGLE-3 style), or 'auto' for vLLM's choice 2, L // 2, L - 3 of "
+                   "an L-layer target; default: the final hidden state only")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--eval-k", type=int, default=4)
@@ -393,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     streams = {name: encode(tokenizer, texts, args.bos_id) for name, texts in splits.items()}
     log(f"corpus: {len(splits['train'])} train / {len(splits['heldout'])} held-out files, "
         f"{streams['train'].size:,} / {streams['heldout'].size:,} tokens; device {device}")
+    args.aux_layers = aux_layers(args.aux_layers, int(target_config["num_hidden_layers"]))
     head_config = eagle_head_config(target_config, args.aux_layers)
     head = make_trainable_head(head_config, target.float(), args.aux_layers).to(device)
     target = target.to(dtype)

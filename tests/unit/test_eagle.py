@@ -121,6 +121,15 @@ def test_a_head_whose_aux_layers_do_not_fit_fails_at_start_up(target: Path, tmp_
                                                    "num_speculative_tokens": 2})
 
 
+def test_aux_layers_auto_is_vllms_choice(script: ModuleType) -> None:
+    """--aux-layers auto: layers 2, L // 2 and L - 3 of an L-layer target (fewer when
+    they coincide); explicit ids and none pass through."""
+    assert script.aux_layers("auto", 8) == (2, 4, 5)
+    assert script.aux_layers("auto", 32) == (2, 16, 29)
+    assert script.aux_layers("auto", 4) == (1, 2) and script.aux_layers("auto", 2) == (1,)
+    assert script.aux_layers("1,3", 8) == (1, 3) and script.aux_layers("", 8) == ()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("aux", ["", "1"])
 def test_train_eagle_head_toy_run(target: Path, tmp_path: Path, aux: str) -> None:
