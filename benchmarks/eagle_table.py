@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from variant_table import print_table
+
 
 def row(head: Path) -> str:
     log: dict[str, Any] = json.loads((head / "train_log.json").read_text())
@@ -41,19 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("heads", nargs="+", type=Path, help="head directories")
     args = parser.parse_args(argv)
-    print("| head | aux layers | steps | held-out top-1 agreement per step "
-          "| α / tokens per verification (script's prompts) "
-          "| benchmark: α / tokens per verification / speed |")
-    print("|---|---|---:|---|---:|---:|")
-    missing = 0
-    for head in args.heads:
-        if (head / "train_log.json").is_file():
-            print(row(head))
-        else:
-            print(f"| {head.name} | no train_log.json: the run failed (see its log) |")
-            missing += 1
-    return 1 if missing else 0
-
+    return print_table(
+        ["head", "aux layers", "steps", "held-out top-1 agreement per step",
+         "α / tokens per verification (script's prompts)",
+         "benchmark: α / tokens per verification / speed"],
+        ["---", "---", "---:", "---", "---:", "---:"], args.heads, "train_log.json", row)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from variant_table import print_table
+
 # the target's held-out bits per byte before issue 28 (decision 0041's baseline, 3.12 files)
 BASELINE_BPB = 1.204660328456503
 
@@ -42,19 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", type=Path, help="directories of training runs")
     parser.add_argument("--baseline-bpb", type=float, default=BASELINE_BPB)
     args = parser.parse_args(argv)
-    print("| run | bits per byte (vs before issue 28) | penalty | signatures stop / parse "
-          "| chat: function / stops | draft α | EAGLE α / tokens per verification "
-          "| family time |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    missing = 0
-    for run in args.runs:
-        if (run / "metrics.json").is_file():
-            print(row(run, args.baseline_bpb))
-        else:
-            print(f"| {run.name} | no metrics.json: the run failed (see its log) |")
-            missing += 1
-    return 1 if missing else 0
-
+    return print_table(
+        ["run", "bits per byte (vs before issue 28)", "penalty", "signatures stop / parse",
+         "chat: function / stops", "draft α", "EAGLE α / tokens per verification",
+         "family time"],
+        ["---"] + ["---:"] * 7, args.runs, "metrics.json",
+        lambda run: row(run, args.baseline_bpb))
 
 if __name__ == "__main__":
     sys.exit(main())
