@@ -9,6 +9,8 @@ API (or, --engine transformers, the training run's own greedy loop):
   their own (finish_reason "stop") and share of those that parse with their signature;
 - chat requests made from held-out docstring summaries (LLM.chat, the tokenizer's chat
   template, max_tokens 256): share of replies holding a parsable def and share that stop;
+  the same requests as second turns (after another request and its function): share that
+  define a function other than the one already in the conversation, and share that stop;
 and with transformers: held-out bits per byte of the target (and draft), greedy acceptance α
 of the draft. Scoring and data come from scripts/default_model_*.py (the training run's own
 evaluation uses the same functions). Must not train or write model files.
@@ -117,8 +119,10 @@ def generation_scores(args: argparse.Namespace, files: list[tuple[str, str]]) ->
         picks = np.linspace(0, len(pairs) - 1, args.num_chats).round().astype(int)
         pairs = [pairs[i] for i in picks]
     t0 = time.monotonic()
-    chats = run(None, [[{"role": "user", "content": p.user}] for p in pairs])
+    chats = run(None, [tasks.conversation(p) for p in pairs])
     replies = [(text, stopped) for text, stopped, _ in chats]
+    turns = tasks.second_turns(pairs)
+    turn_replies = run(None, [tasks.conversation(p, earlier) for p, earlier in turns])
     chat_s = time.monotonic() - t0
     return {
         "signatures": len(sigs),
@@ -131,6 +135,11 @@ def generation_scores(args: argparse.Namespace, files: list[tuple[str, str]]) ->
         "chat_function_share": sft.share([sft.reply_has_function(r) for r, _ in replies]),
         "chat_stop_share": sft.share([st for _, st in replies]),
         "chat_mean_tokens": float(np.mean([n for _, _, n in chats])),
+        # the same requests after another pair's request and function: a new function?
+        "second_turn_answer_share": sft.share([
+            sft.answers_second_turn(r, earlier.name)
+            for (r, _, _), (_, earlier) in zip(turn_replies, turns, strict=True)]),
+        "second_turn_stop_share": sft.share([st for _, st, _ in turn_replies]),
         "chat_seconds": chat_s,
         "examples": [{"signature": s, "completion": c, "stopped": st}
                      for s, (c, st) in zip(sigs[:3], comps[:3], strict=True)],

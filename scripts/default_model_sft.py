@@ -48,9 +48,10 @@ def completion_stops_and_parses(signature: str, completion: str, stopped: bool) 
     return stopped and bool(completion.strip()) and parses(signature + "\n" + completion)
 
 
-def reply_has_function(reply: str) -> bool:
-    """Does a chat reply hold a `def` that parses: the whole reply, a fenced block, or the
-    text from its first top-level `def`/`async def`/decorator line on."""
+def reply_functions(reply: str) -> list[str]:
+    """The top-level functions a chat reply defines, by name, from the first of these that
+    parses and defines one: the whole reply, a fenced block, or the text from its first
+    top-level `def`/`async def`/decorator line on ([] if none)."""
     candidates = [reply, *CODE_FENCE_RE.findall(reply)]
     lines = reply.split("\n")
     for i, line in enumerate(lines):
@@ -59,10 +60,23 @@ def reply_has_function(reply: str) -> bool:
             break
     for text in candidates:
         if parses(text):
-            tree = ast.parse(text)
-            if any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) for n in tree.body):
-                return True
-    return False
+            names = [n.name for n in ast.parse(text).body
+                     if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+            if names:
+                return names
+    return []
+
+
+def reply_has_function(reply: str) -> bool:
+    """Does a chat reply hold a `def` that parses (``reply_functions``)?"""
+    return bool(reply_functions(reply))
+
+
+def answers_second_turn(reply: str, earlier_name: str) -> bool:
+    """A second-turn reply that defines a function other than the earlier turn's (not a
+    copy of the answer already in the conversation)."""
+    names = reply_functions(reply)
+    return bool(names) and earlier_name not in names
 
 
 def share(flags: list[bool]) -> float:

@@ -16,6 +16,7 @@ Pure data: no model, no training loop, no kvserve import (it runs on a bare trai
 from __future__ import annotations
 
 import ast
+import bisect
 import hashlib
 import warnings
 from collections.abc import Callable
@@ -150,17 +151,40 @@ def encode_examples(
     return np.concatenate(chunks), np.asarray(starts, dtype=np.int64)
 
 
+def conversation(pair: Instruction, earlier: Instruction | None = None) -> list[dict[str, str]]:
+    """The messages asking for ``pair``: its request alone, or after ``earlier``'s request
+    and answer (a second turn)."""
+    history = [] if earlier is None else [{"role": "user", "content": earlier.user},
+                                          {"role": "assistant", "content": earlier.assistant}]
+    return [*history, {"role": "user", "content": pair.user}]
+
+
+def second_turns(pairs: list[Instruction], max_chars: int = 1500
+                 ) -> list[tuple[Instruction, Instruction]]:
+    """(pair, earlier) with each pair asked after the next one in the list (cyclically)
+    whose function has at most max_chars: second turns whose history holds another
+    function and leaves room in the context. [] if no other pair is short enough."""
+    short = [i for i, p in enumerate(pairs) if len(p.assistant) <= max_chars]
+    turns = []
+    for i, pair in enumerate(pairs):
+        k = bisect.bisect_right(short, i)
+        j = short[k] if k < len(short) else (short[0] if short else i)
+        if j != i:
+            turns.append((pair, pairs[j]))
+    return turns
+
+
 def chat_example(
-    render: Callable[[list[dict[str, str]], bool], list[int]], pair: Instruction
+    render: Callable[[list[dict[str, str]], bool], list[int]], pair: Instruction,
+    earlier: Instruction | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Token ids of the whole conversation and its labels: the assistant's tokens (its
-    content and closing <|end|>) are labels, everything the user or template wrote is
-    IGNORE_INDEX. `render(messages, add_generation_prompt)` applies the chat template."""
-    prompt = render([{"role": "user", "content": pair.user}], True)
-    full = render(
-        [{"role": "user", "content": pair.user}, {"role": "assistant", "content": pair.assistant}],
-        False,
-    )
+    """Token ids of the whole conversation and its labels: the last assistant turn's tokens
+    (its content and closing <|end|>) are labels; everything the user, the template or an
+    ``earlier`` turn wrote is IGNORE_INDEX. `render(messages, add_generation_prompt)` applies
+    the chat template."""
+    messages = conversation(pair, earlier)
+    prompt = render(messages, True)
+    full = render([*messages, {"role": "assistant", "content": pair.assistant}], False)
     if full[: len(prompt)] != prompt:
         raise ValueError(f"chat template: the prompt of {pair.path}::{pair.name} is not a prefix")
     labels = [IGNORE_INDEX] * len(prompt) + full[len(prompt) :]

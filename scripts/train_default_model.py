@@ -181,6 +181,8 @@ FULL_PRESET: dict[str, Any] = {
     "sft_max_steps": 600,
     "sft_lm_weight": 0.5,  # x the pre-training loss of one batch per chat step
     "sft_max_chars": 1500,  # longest function kept as a chat answer (shorter replies stop)
+    # second-turn chat examples (another pair's request and function first), x the pairs
+    "sft_second_turn_share": 0.0,
     "sft_max_tokens": 512,  # longest chat example (template, request and answer)
     "stop_eval_new_tokens": 256,
     "chat_eval_prompts": 100,
@@ -219,6 +221,7 @@ TINY_PRESET: dict[str, Any] = {
     "sft_batch_size": 4,
     "sft_max_steps": 4,
     "sft_max_chars": 600,
+    "sft_second_turn_share": 0.5,
     "sft_max_tokens": 256,
     "stop_eval_new_tokens": 12,
     "chat_eval_prompts": 4,
@@ -1445,11 +1448,14 @@ def stop_and_chat_eval(
     if len(pairs) > args.chat_eval_prompts:
         picks = np.linspace(0, len(pairs) - 1, args.chat_eval_prompts).round().astype(int)
         pairs = [pairs[i] for i in picks]
+    turns = tasks.second_turns(pairs)
     chat_outs = sft.generate_until(
-        model, [render([{"role": "user", "content": p.user}], True) for p in pairs],
+        model, [render(tasks.conversation(p), True) for p in pairs]
+        + [render(tasks.conversation(p, earlier), True) for p, earlier in turns],
         args.chat_eval_new_tokens, stop_ids, penalty, pad,  # type: ignore[arg-type]
     )
-    replies = [(tok.decode(ids), st) for ids, st in chat_outs]
+    replies = [(tok.decode(ids), st) for ids, st in chat_outs[:len(pairs)]]
+    turn_replies = [(tok.decode(ids), st) for ids, st in chat_outs[len(pairs):]]
     has_fn = [sft.reply_has_function(r) for r, _ in replies]
     return {
         "repetition_penalty": penalty,
@@ -1462,6 +1468,11 @@ def stop_and_chat_eval(
         "chat_max_new_tokens": args.chat_eval_new_tokens,
         "chat_function_share": sft.share(has_fn),
         "chat_stop_share": sft.share([st for _, st in replies]),
+        # the same requests after another pair's turn: a new function, and stopping
+        "second_turn_answer_share": sft.share([
+            sft.answers_second_turn(r, earlier.name)
+            for (r, _), (_, earlier) in zip(turn_replies, turns, strict=True)]),
+        "second_turn_stop_share": sft.share([st for _, st in turn_replies]),
         "examples": [{"signature": s, "completion": c, "stopped": st} for s, (c, st) in
                      zip(sigs[:5], texts[:5], strict=True)],
         "chat_examples": [{"user": p.user, "reply": r, "stopped": st} for p, (r, st) in
@@ -1854,6 +1865,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "draft_sft_minutes",
         "sft_lr",
         "sft_lm_weight",
+        "sft_second_turn_share",
     ]
     ints = [
         "max_steps",
@@ -2063,14 +2075,17 @@ def build_task_data(
     end = int(starts[keep]) if keep < starts.size else stop_stream.size
     stop_stream, starts = stop_stream[:end], starts[:keep]
     render = chat_renderer(tok)
-    chat = {
-        split: [
-            tasks.chat_example(render, pair)
-            for pair in tasks.instruction_pairs(corpus.splits[split], args.sft_max_chars)
-        ]
-        for split in ("train", "val")
-    }
+    pairs = {split: tasks.instruction_pairs(corpus.splits[split], args.sft_max_chars)
+             for split in ("train", "val")}
+    chat = {split: [tasks.chat_example(render, pair) for pair in split_pairs]
+            for split, split_pairs in pairs.items()}
+    # second turns: a hash-ordered share of the train pairs, each after the next one's turn
+    by_turn = sorted(pairs["train"], key=lambda p: path_hash(f"turn:{p.path}::{p.name}"))
+    turns = tasks.second_turns(by_turn)[:int(args.sft_second_turn_share * len(by_turn))]
+    second = [tasks.chat_example(render, pair, earlier) for pair, earlier in turns]
+    second = [ex for ex in second if len(ex[0]) <= args.sft_max_tokens]
     chat = {k: [ex for ex in v if len(ex[0]) <= args.sft_max_tokens] for k, v in chat.items()}
+    chat["train"] += second
     if not chat["train"]:
         raise SystemExit("no chat examples: no train-split function has a docstring summary")
     data = {
@@ -2088,6 +2103,7 @@ def build_task_data(
         "stop_units_found": len(units),
         "chat_train_pairs": len(chat["train"]),
         "chat_val_pairs": len(chat["val"]),
+        "chat_second_turn_examples": len(second),
         "chat_train_assistant_tokens": sum(
             sum(t != IGNORE_INDEX for t in lab) for _, lab in chat["train"]
         ),

@@ -146,6 +146,30 @@ def test_chat_examples_mask_all_but_the_assistant(tasks: ModuleType, tdm: Module
     ids, shifted = draw()
     assert ids.shape == shifted.shape == (2, len(full) - 1)
     assert ids[0].tolist() == full[:-1] and shifted[0].tolist() == labels[1:]
+    # a second turn: the earlier request and answer are context, only the last answer a label
+    earlier = tasks.instruction_pairs([("m.py", SOURCE)], 10_000)[1]
+    full, labels = tasks.chat_example(render, pair, earlier)
+    text = tok.decode(full, skip_special_tokens=False)
+    assert text.startswith(f"<|bos|><|user|>\n{earlier.user}<|end|>\n<|assistant|>\n"
+                           f"{earlier.assistant}<|end|>\n<|user|>\n{pair.user}<|end|>\n")
+    first = next(i for i, t in enumerate(labels) if t != tasks.IGNORE_INDEX)
+    assert tok.decode(labels[first:], skip_special_tokens=False) == pair.assistant + "<|end|>\n"
+    assert all(t != tasks.IGNORE_INDEX for t in labels[first:])
+
+
+def test_second_turns_pair_each_request_with_a_short_other_one(tasks: ModuleType) -> None:
+    """Each pair after the next one (cyclically) whose function fits max_chars; never itself."""
+    def pair(name: str, size: int) -> object:
+        return tasks.Instruction("m.py", name, f"do {name}", "x" * size, False)
+
+    pairs = [pair("a", 10), pair("b", 5000), pair("c", 10), pair("d", 10)]
+    turns = [(p.name, e.name) for p, e in tasks.second_turns(pairs, max_chars=100)]
+    assert turns == [("a", "c"), ("b", "c"), ("c", "d"), ("d", "a")]
+    assert tasks.second_turns(pairs[:1]) == [] and tasks.second_turns(pairs[1:3], 100) == [
+        (pairs[1], pairs[2])]
+    messages = tasks.conversation(pairs[0], pairs[2])
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[1]["content"] == pairs[2].assistant and messages[2]["content"] == "do a"
 
 
 def test_scores(sft: ModuleType) -> None:
@@ -158,6 +182,11 @@ def test_scores(sft: ModuleType) -> None:
     assert sft.reply_has_function('"""\n\ndef f(x):\n    return x\n')  # from the first def on
     assert not sft.reply_has_function('"""\n\nclass A:\n    pass\n')
     assert not sft.reply_has_function("def f(x):\n    return (x\n")
+    assert sft.reply_functions("x = 1\n\ndef f(x):\n    pass\n\nasync def g():\n    pass\n") \
+        == ["f", "g"]
+    assert sft.answers_second_turn("def g(x):\n    return x\n", "f")
+    assert not sft.answers_second_turn("def f(x):\n    return x\n", "f")  # the earlier one
+    assert not sft.answers_second_turn("    pass\n", "f")
 
 
 def test_repetition_penalty_rule(sft: ModuleType) -> None:

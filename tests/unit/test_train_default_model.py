@@ -435,6 +435,7 @@ def test_stop_and_chat_stages_and_kvserve_loads_the_target(run_dir: Path) -> Non
 
     corpus = json.loads((run_dir / "corpus.json").read_text())
     assert corpus["tasks"]["stop_examples"] > 0 and corpus["tasks"]["chat_train_pairs"] > 0
+    assert corpus["tasks"]["chat_second_turn_examples"] > 0  # --tiny: half the pairs
     metrics = json.loads((run_dir / "metrics.json").read_text())
     for key in ("target", "draft"):
         chat = metrics[key]["sft"]
@@ -442,6 +443,7 @@ def test_stop_and_chat_stages_and_kvserve_loads_the_target(run_dir: Path) -> Non
     runs = metrics["stop_and_chat"]
     assert [r["repetition_penalty"] for r in runs] == [1.0, 1.1, 1.3]
     assert all(0 <= r["stop_share"] <= 1 and r["chat_prompts"] > 0 for r in runs)
+    assert all(0 <= r["second_turn_answer_share"] <= 1 for r in runs)
     chosen = metrics["generation_defaults"]["chosen"]
     dirs = model_dirs(run_dir)
     gen = json.loads((dirs["target"] / "generation_config.json").read_text())
