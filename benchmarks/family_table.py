@@ -3,8 +3,8 @@
 Reads each directory's ``metrics.json`` (``scripts/train_default_model.py``) and, when
 present, its EAGLE head's ``train_log.json`` (``scripts/train_eagle_head.py``): held-out
 bits per byte against the model before issue 28 (the run's own held-out files), the
-stop / parse / chat shares at the penalty the run chose, the draft's α, the head's α and
-tokens per verification, and the training time.
+stop / parse / chat (first and second turn) shares at the penalty the run chose, the
+draft's α, the head's α and tokens per verification, and the training time.
 
     python benchmarks/family_table.py runs/v/*/ [--baseline-bpb 1.2047]
 """
@@ -33,9 +33,12 @@ def row(run: Path, baseline: float) -> str:
     if head_log.is_file():
         eagle = json.loads(head_log.read_text())["engine"]["eagle"]
         head = f"{eagle['alpha_first']:.2f} / {eagle['mean_accepted_length']:.2f}"
+    second = (f"{shares['second_turn_answer_share']:.0%} / {shares['second_turn_stop_share']:.0%}"
+              if "second_turn_answer_share" in shares else "—")  # runs before the measure
     return (f"| {run.name} | {bpb:.3f} ({bpb / baseline - 1:+.1%}) | {penalty} "
             f"| {shares['stop_share']:.0%} / {shares['parse_share_of_stopped']:.0%} "
             f"| {shares['chat_function_share']:.0%} / {shares['chat_stop_share']:.0%} "
+            f"| {second} "
             f"| {metrics['acceptance']['alpha']:.3f} | {head} | {metrics['total_s']:.0f} s |")
 
 
@@ -46,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     return print_table(
         ["run", "bits per byte (vs before issue 28)", "penalty", "signatures stop / parse",
-         "chat: function / stops", "draft α", "EAGLE α / tokens per verification",
-         "family time"],
-        ["---"] + ["---:"] * 7, args.runs, "metrics.json",
+         "chat: function / stops", "second turn: answers / stops", "draft α",
+         "EAGLE α / tokens per verification", "family time"],
+        ["---"] + ["---:"] * 8, args.runs, "metrics.json",
         lambda run: row(run, args.baseline_bpb))
 
 if __name__ == "__main__":

@@ -469,6 +469,10 @@ def test_family_table_reads_a_run_and_flags_a_failed_one(run_dir: Path, tmp_path
     bpb = metrics["target"]["heldout_bits_per_byte"]
     assert rows[2].startswith(f"| {run_dir.name} | {bpb:.3f} ({bpb / 2 - 1:+.1%}) | ")
     assert f"| {metrics['acceptance']['alpha']:.3f} | — |" in rows[2]
+    shares = next(r for r in metrics["stop_and_chat"]
+                  if r["repetition_penalty"] == metrics["generation_defaults"]["chosen"])
+    assert (f"| {shares['second_turn_answer_share']:.0%} / "
+            f"{shares['second_turn_stop_share']:.0%} |") in rows[2]
     assert rows[3] == f"| {tmp_path.name} | no metrics.json: the run failed (see its log) |"
 
 
