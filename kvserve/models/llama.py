@@ -151,7 +151,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
         layout = building_state().layout
-        self.config_hidden_size = config.hidden_size
+        self.hidden_size = config.hidden_size
         self.is_first_stage, self.is_last_stage = layout.is_first_stage, layout.is_last_stage
         self.start_layer, self.end_layer = layer_range(config.num_layers, layout.pp_size,
                                                        layout.pp_rank)
@@ -179,7 +179,7 @@ class LlamaModel(nn.Module):
         ``aux_hidden``, a fixed buffer CUDA graphs capture writes to."""
         weight = next(self.parameters())
         self.aux_slots = {layer: slot for slot, layer in enumerate(layer_ids)}
-        self.aux_hidden = torch.zeros(max_tokens, len(layer_ids), self.config_hidden_size,
+        self.aux_hidden = torch.zeros(max_tokens, len(layer_ids), self.hidden_size,
                                       dtype=weight.dtype, device=weight.device)
 
     def forward(
