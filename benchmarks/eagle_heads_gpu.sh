@@ -6,6 +6,8 @@
 # another on each; each lands in OUT_DIR/NAME (head, log) and OUT_DIR/NAME-real (benchmark).
 #   benchmarks/eagle_heads_gpu.sh OUT_DIR 'NAME[:FLAGS]' ...
 #   benchmarks/eagle_heads_gpu.sh runs/h final-only 'aux-2-4-5:--aux-layers 2,4,5'
+# Variants on different GPUs run at once and share the host: compare their α and tokens per
+# verification; the 14M target's tok/s is host time and moves with the load.
 # EAGLE_MINUTES (default 6) sets each head's training time. A variant takes about
 # EAGLE_MINUTES + 3 minutes on an H100: start the script with setsid nohup when a call is
 # limited to 10 minutes.
