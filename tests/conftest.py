@@ -8,16 +8,20 @@ batches. Weights are re-drawn larger than HF's init (and biases and norm
 scales are randomised too) so attention is peaked and a wrong rope, mask or
 bias changes the logits visibly. ``make_lora_adapter`` writes a random PEFT
 LoRA adapter for a checkpoint, ``merge_lora`` the checkpoint with an adapter
-merged into its weights (the oracle of LoRA serving).
+merged into its weights (the oracle of LoRA serving). ``load_file_module``
+imports a script of scripts/ or benchmarks/ (not packages) by path.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -307,3 +311,14 @@ def process_alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def load_file_module(path: Path, name: str) -> ModuleType:
+    """The Python file at ``path`` imported as module ``name`` (registered in
+    sys.modules first: dataclasses resolve their module by name)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -170,15 +170,15 @@ def eagle_head_config(target_config: dict[str, Any],
     return {"architectures": ["EagleHead"], **config, "num_hidden_layers": 1, **aux}
 
 
-def aux_layer_ids(config: dict[str, Any], source: str, num_target_layers: int | None = None
+def aux_layer_ids(config: dict[str, Any], source: str, num_target_layers: int
                   ) -> tuple[int, ...]:
     """A head config's aux layer ids, checked (distinct target layers, in order)."""
     ids = config.get(AUX_KEY) or []
-    limit = num_target_layers if num_target_layers is not None else 1 << 30
-    if (not isinstance(ids, list) or not all(type(i) is int and 0 <= i < limit for i in ids)
+    if (not isinstance(ids, list)
+            or not all(type(i) is int and 0 <= i < num_target_layers for i in ids)
             or sorted(set(ids)) != ids):
         raise ValueError(f"{source}: field '{AUX_KEY}'={ids!r} is invalid: must be increasing "
-                         f"distinct layer ids of the target, in [0, {limit - 1}]")
+                         f"distinct layer ids of the target, in [0, {num_target_layers - 1}]")
     return tuple(ids)
 
 
@@ -207,7 +207,7 @@ def write_random_eagle_head(target_config: dict[str, Any], path: Path, std: floa
 
 
 def load_eagle_head(path: Path, device: torch.device, dtype: torch.dtype,
-                    num_target_layers: int | None = None) -> EagleHead:
+                    num_target_layers: int) -> EagleHead:
     """A head from its directory; ValueError naming a tensor that does not fit
     (or an aux layer the target, of ``num_target_layers``, lacks)."""
     from safetensors.torch import load_file

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -18,6 +17,8 @@ from types import ModuleType
 import numpy as np
 import pytest
 import torch
+
+from tests.conftest import load_file_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,12 +58,7 @@ x = 1
 
 def load(name: str) -> ModuleType:
     sys.path.insert(0, str(REPO / "scripts"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(REPO / "scripts" / f"{name}.py", name)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ target."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from kvserve.spec.eagle import (
     save_eagle_head,
     write_random_eagle_head,
 )
-from tests.conftest import make_tiny_checkpoint
+from tests.conftest import load_file_module, make_tiny_checkpoint
 from tests.unit.test_spec_decode import spy_on_proposals
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,12 +36,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 7, 42], [300, 12, 8, 8, 8, 19, 77, 1, 64], [11, 1
 
 @pytest.fixture(scope="module")
 def script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_eagle_head", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(SCRIPT, "train_eagle_head")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +89,8 @@ def test_eagle_proposals_match_a_dense_reference(script: ModuleType, target: Pat
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     llm.generate(PROMPTS, params, use_tqdm=False)
     reference = transformers.AutoModelForCausalLM.from_pretrained(target).eval()
-    dense = load_eagle_head(tmp_path / "head", torch.device("cpu"), torch.float32)
+    dense = load_eagle_head(tmp_path / "head", torch.device("cpu"), torch.float32,
+                            reference.config.num_hidden_layers)
     assert dense.aux_layer_ids == aux
     attn = dense.layer.self_attn
     attn.attn = script.DenseCausalAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim,

@@ -4,25 +4,19 @@ proposal costs nothing (the oracle)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.conftest import load_file_module
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "spec_decode_bench", REPO / "benchmarks" / "spec_decode.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(REPO / "benchmarks" / "spec_decode.py", "spec_decode_bench")
 
 
 def test_plan_prediction_iid_and_bound(bench: ModuleType) -> None:

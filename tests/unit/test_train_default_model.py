@@ -10,7 +10,6 @@ docstring rewrite of the training files (`--docstrings summary`) is unit-tested 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.conftest import load_file_module
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "train_default_model.py"
 
@@ -29,12 +30,7 @@ SCRIPT = REPO / "scripts" / "train_default_model.py"
 @pytest.fixture(scope="module")
 def tdm() -> ModuleType:
     """The script as a module (it is not a package and must not import kvserve)."""
-    spec = importlib.util.spec_from_file_location("train_default_model", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(SCRIPT, "train_default_model")
 
 
 @pytest.fixture(scope="module")
