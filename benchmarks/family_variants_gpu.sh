@@ -8,7 +8,7 @@
 #   benchmarks/family_variants_gpu.sh runs/v shipped 'short-chat:--sft-max-chars 1000' \
 #       'long-chat:--sft-minutes 1.5'
 # EAGLE_MINUTES (default 6; 0 skips the heads) sets each head's training time and EAGLE_FLAGS
-# adds flags to its training (e.g. --aux-layers auto). A variant's
+# adds flags to its training (e.g. --aux-layers none). A variant's
 # whole run takes about 12 + EAGLE_MINUTES minutes on an H100: start the script with
 # setsid nohup when a call is limited to 10 minutes.
 set -euo pipefail

@@ -2,8 +2,9 @@
 """Train an EAGLE head (``kvserve/spec/eagle.py``) for a target model, then
 measure it in kvserve's engine.
 
-The head reads the target's final hidden state ``f_t`` (with ``--aux-layers``,
-also the streams entering those target layers, fused) and the embedding of
+The head reads the target's final hidden state ``f_t`` fused with the
+streams entering some of the target's layers (``--aux-layers``, by default
+vLLM's EAGLE-3 choice; ``none``: ``f_t`` alone) and the embedding of
 the next token ``x_{t+1}`` and predicts ``f_{t+1}``; the target's LM head
 turns that into a distribution over ``x_{t+2}``. Training data is code (by
 default the bundled family's corpus and split, ``FAMILY_PACKAGES`` of
@@ -333,7 +334,10 @@ def write_card(out: Path, result: dict[str, Any]) -> None:
 
 
 def aux_layers(text: str, num_layers: int) -> tuple[int, ...]:
-    """``--aux-layers``: ids, or 'auto' (vLLM's EAGLE-3 default for the target's depth)."""
+    """``--aux-layers``: ids, 'none', or 'auto' (vLLM's EAGLE-3 default for the target's
+    depth)."""
+    if text == "none":
+        return ()
     if text == "auto":  # a shallow target keeps those of its layers that exist
         return tuple(sorted({2, num_layers // 2, num_layers - 3} & set(range(num_layers))))
     return tuple(int(x) for x in text.split(",") if x)
@@ -360,10 +364,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--unroll", type=int, default=3, help="chained steps trained on")
     p.add_argument("--ce-weight", type=float, default=1.0)
-    p.add_argument("--aux-layers", default="",
+    p.add_argument("--aux-layers", default="auto",
                    help="comma-separated target layers whose input streams the head also "
-                   "reads (EAGLE-3 style), or 'auto' for vLLM's choice 2, L // 2, L - 3 of "
-                   "an L-layer target; default: the final hidden state only")
+                   "reads (EAGLE-3 style); 'auto' (default): vLLM's choice 2, L // 2, L - 3 "
+                   "of an L-layer target; 'none': the final hidden state only")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--eval-k", type=int, default=4)

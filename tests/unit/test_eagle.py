@@ -122,11 +122,12 @@ def test_aux_layers_auto_is_vllms_choice(script: ModuleType) -> None:
     assert script.aux_layers("auto", 8) == (2, 4, 5)
     assert script.aux_layers("auto", 32) == (2, 16, 29)
     assert script.aux_layers("auto", 4) == (1, 2) and script.aux_layers("auto", 2) == (1,)
-    assert script.aux_layers("1,3", 8) == (1, 3) and script.aux_layers("", 8) == ()
+    assert script.aux_layers("1,3", 8) == (1, 3) and script.aux_layers("none", 8) == ()
+    assert script.parse_args([]).aux_layers == "auto"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("aux", ["", "1"])
+@pytest.mark.parametrize("aux", ["none", "1"])
 def test_train_eagle_head_toy_run(target: Path, tmp_path: Path, aux: str) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -139,7 +140,8 @@ def test_train_eagle_head_toy_run(target: Path, tmp_path: Path, aux: str) -> Non
                    check=True, cwd=REPO)
     log = json.loads((out / "train_log.json").read_text())
     head_config = json.loads((out / "config.json").read_text())
-    assert head_config.get("eagle_aux_hidden_state_layer_ids", []) == ([1] if aux else [])
+    assert head_config.get("eagle_aux_hidden_state_layer_ids", []) == ([] if aux == "none"
+                                                                      else [1])
     assert log["train"]["steps"] == 3 and len(log["heldout_agreement"]) == 2
     assert 0.0 <= log["engine"]["eagle"]["acceptance_rate"] <= 1.0
     assert log["engine"]["eagle"]["mean_accepted_length"] >= 1.0
