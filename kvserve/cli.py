@@ -30,20 +30,22 @@ logger = logging.getLogger("kvserve.cli")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    group = parser.add_argument_group("sampling")
+    group = parser.add_argument_group(
+        "sampling", "a flag left unset takes the model's generation_config.json value, if it "
+        "has one (temperature excepted: greedy unless given)")
     group.add_argument("--max-tokens", type=int, default=max_tokens,
                        help="the most tokens to generate (default: %(default)s)")
     group.add_argument("--temperature", type=float, default=0.0,
                        help="0 = greedy (default)")
-    group.add_argument("--top-p", type=float, default=1.0,
+    group.add_argument("--top-p", type=float, default=None,
                        help="sample from the smallest set of tokens whose probabilities add up "
                             "to this (default: 1, off)")
-    group.add_argument("--top-k", type=int, default=0,
+    group.add_argument("--top-k", type=int, default=None,
                        help="sample from the k most likely tokens (default: 0, off)")
-    group.add_argument("--min-p", type=float, default=0.0,
+    group.add_argument("--min-p", type=float, default=None,
                        help="drop tokens less likely than this times the most likely one "
                             "(default: 0, off)")
-    group.add_argument("--repetition-penalty", type=float, default=1.0,
+    group.add_argument("--repetition-penalty", type=float, default=None,
                        help="> 1 discourages tokens already in the prompt or output "
                             "(default: 1, off)")
     group.add_argument("--presence-penalty", type=float, default=0.0,
@@ -52,6 +54,14 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None
     group.add_argument("--frequency-penalty", type=float, default=0.0,
                        help="in [-2, 2]: subtracted once per earlier occurrence of a token "
                             "(default: 0)")
+    group.add_argument("--dry-multiplier", type=float, default=None,
+                       help="DRY: > 0 penalises tokens that would extend a repeat of earlier "
+                            "text, more the longer the repeat (default: 0, off)")
+    group.add_argument("--dry-allowed-length", type=int, default=None,
+                       help="DRY: repeats up to this many tokens go unpenalised (default: 2)")
+    group.add_argument("--dry-base", type=float, default=None,
+                       help="DRY: the penalty grows by this factor per repeated token beyond "
+                            "--dry-allowed-length (default: 1.75)")
     group.add_argument("--sampling-seed", type=int, default=None,
                        help="per-request seed for reproducible sampling")
     group.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")

@@ -36,15 +36,27 @@ CHAT_HELP = ("kvserve chat: type a message. Ctrl-C stops a reply; Ctrl-C twice, 
              "/exit leaves; /clear starts a new conversation.")
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """The sampling flags as ``SamplingParams`` (ValueError naming a bad one)."""
+# sampling flags that the model's generation_config fills when left unset
+_MODEL_DEFAULTED = ("top_p", "top_k", "min_p", "repetition_penalty", "dry_multiplier",
+                    "dry_allowed_length", "dry_base")
+
+
+def sampling_params(args: argparse.Namespace,
+                    model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The sampling flags as ``SamplingParams`` (ValueError naming a bad one);
+    flags left unset take ``model_defaults`` (the engine's values from the
+    model's generation_config.json), then SamplingParams' own defaults.
+    Temperature is never taken from the model: greedy unless given."""
     from kvserve.core.sampling_params import SamplingParams
 
+    defaults = {name: value for name, value in (model_defaults or {}).items()
+                if name in (*_MODEL_DEFAULTED, "dry_penalty_last_n", "dry_sequence_breakers")}
+    defaults.update({name: getattr(args, name) for name in _MODEL_DEFAULTED
+                     if getattr(args, name) is not None})
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        max_tokens=args.max_tokens, temperature=args.temperature,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos, **defaults,
     )
 
 
@@ -167,8 +179,9 @@ def _stats_line(engine: LLMEngine, reply: Reply) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     """``kvserve generate``: 0, or 130 when Ctrl-C stopped the completion."""
-    params = sampling_params(args)
+    sampling_params(args)  # a bad flag fails before the model loads
     engine = make_engine(args)
+    params = sampling_params(args, engine.config.sampling_defaults)
     _, token_ids = engine.processor.tokenize(args.prompt)
     request_id = engine.add_request(token_ids, params)  # validated before anything is shown
     columns, rows = shutil.get_terminal_size()
@@ -200,8 +213,9 @@ def _chat_request(engine: LLMEngine, messages: list[dict[str, str]],
 
 def run_chat(args: argparse.Namespace) -> int:
     """``kvserve chat``: 0 when the user leaves."""
-    params = sampling_params(args)
+    sampling_params(args)  # a bad flag fails before the model loads
     engine = make_engine(args)
+    params = sampling_params(args, engine.config.sampling_defaults)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     print("[kvserve] " + " | ".join(_engine_parts(engine)), file=sys.stderr)

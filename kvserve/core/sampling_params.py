@@ -21,12 +21,19 @@ MAX_LOGPROBS = 20
 # below this temperature a request is greedy
 GREEDY_TEMPERATURE = 1e-5
 
+# llama.cpp's DRY sequence breakers, the default of dry_sequence_breakers
+DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
+
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
 
 def _invalid(name: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"{name}={value!r} is invalid: {allowed}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -42,7 +49,9 @@ class SamplingParams:
     the logits of its token ids before sampling, greedy included.
     ``structured_output`` constrains the output to a JSON schema, regex,
     choice or grammar; the engine binds the compiled grammar
-    (``with_grammar``) before the request is scheduled.
+    (``with_grammar``) before the request is scheduled. ``dry_*`` are
+    llama.cpp's DRY penalty on tokens that extend a repeat of earlier text
+    (``kvserve/sampling/dry.py``), off while ``dry_multiplier`` is 0.
     """
 
     n: int = 1
@@ -69,10 +78,19 @@ class SamplingParams:
     # prefill engine to keep the prompt's KV for a decode engine; a decode engine
     # gets what the prefill engine answered ({"do_remote_prefill": true, "remote_*"})
     kv_transfer_params: dict[str, Any] | None = None
+    # DRY (llama.cpp's names; kvserve/sampling/dry.py): multiplier 0 is off;
+    # breakers None are llama.cpp's ("\n", ":", '"', "*"), [] none
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] | None = None
     # the compiled grammar of structured_output, bound by the engine (shared, never copied)
     _grammar: Any = field(default=None, init=False, repr=False, compare=False)
     # the model's EOS ids, bound by the engine through with_eos_token_ids()
     _eos_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False)
+    # the token ids of dry_sequence_breakers, bound by the engine (with_dry_breaker_ids)
+    _dry_breaker_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -82,6 +100,11 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.dry_sequence_breakers is not None:
+            if isinstance(self.dry_sequence_breakers, str):
+                raise _invalid("dry_sequence_breakers", self.dry_sequence_breakers,
+                               "must be a list of strings")
+            self.dry_sequence_breakers = list(self.dry_sequence_breakers)
         if self.logit_bias is not None:
             self.logit_bias = dict(self.logit_bias) or None
         self._validate()
@@ -121,6 +144,20 @@ class SamplingParams:
             raise _invalid("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
         if not self.repetition_penalty > 0:
             raise _invalid("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if not 0 <= self.dry_multiplier <= 100:
+            raise _invalid("dry_multiplier", self.dry_multiplier, "must be in [0, 100] (0: off)")
+        if not 1 < self.dry_base <= 10:
+            raise _invalid("dry_base", self.dry_base, "must be in (1, 10]")
+        if not _is_int(self.dry_allowed_length) or self.dry_allowed_length < 1:
+            raise _invalid("dry_allowed_length", self.dry_allowed_length,
+                           "must be an integer >= 1")
+        if not _is_int(self.dry_penalty_last_n) or self.dry_penalty_last_n < -1:
+            raise _invalid("dry_penalty_last_n", self.dry_penalty_last_n,
+                           "must be an integer >= -1 (-1: the whole sequence, 0: off)")
+        for i, breaker in enumerate(self.dry_sequence_breakers or []):
+            if not isinstance(breaker, str) or not breaker:
+                raise _invalid(f"dry_sequence_breakers[{i}]", breaker,
+                               "must be a non-empty string")
 
     def _validate_lengths(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -194,6 +231,22 @@ class SamplingParams:
         """A deep copy (lists included), safe to change; the compiled grammar
         is shared, not copied."""
         return copy.deepcopy(self, {id(self._grammar): self._grammar})
+
+    @property
+    def uses_dry(self) -> bool:
+        """True when the DRY penalty can change this request's logits."""
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
+
+    @property
+    def dry_breaker_ids(self) -> frozenset[int]:
+        """The token ids of ``dry_sequence_breakers``, bound by the engine."""
+        return self._dry_breaker_ids
+
+    def with_dry_breaker_ids(self, ids: frozenset[int]) -> SamplingParams:
+        """A copy with the token ids of ``dry_sequence_breakers`` bound."""
+        params = self.clone()
+        params._dry_breaker_ids = frozenset(ids)
+        return params
 
     def with_eos_token_ids(self, eos_token_ids: list[int] | tuple[int, ...]) -> SamplingParams:
         """A copy with the model's EOS ids bound (used by ``all_stop_token_ids``)."""

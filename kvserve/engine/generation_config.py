@@ -3,8 +3,10 @@
 
 ``read_sampling_defaults`` reads the file once, at start-up, and keeps the
 keys vLLM takes from it: ``temperature``, ``top_p``, ``top_k``, ``min_p``,
-``repetition_penalty`` and ``max_new_tokens`` (as ``max_tokens``); other keys
-(``do_sample``, token ids, beam settings) are ignored, as vLLM ignores them.
+``repetition_penalty`` and ``max_new_tokens`` (as ``max_tokens``), and
+llama.cpp's DRY keys (``dry_multiplier``, ``dry_base``, ``dry_allowed_length``,
+``dry_penalty_last_n``, ``dry_sequence_breakers``); other keys (``do_sample``,
+token ids, beam settings) are ignored, as vLLM ignores them.
 ``"auto"`` reads the model's directory, ``"vllm"`` reads nothing (the
 engine's own defaults), any other value is a folder holding the file. A
 request's own values always win: the defaults fill only the fields a
@@ -31,7 +33,13 @@ _KEYS: dict[str, tuple[str, type, float, bool]] = {
     "min_p": ("min_p", float, 0.0, True),
     "repetition_penalty": ("repetition_penalty", float, 0.0, False),
     "max_new_tokens": ("max_tokens", int, 1, True),
+    "dry_multiplier": ("dry_multiplier", float, 0.0, True),
+    "dry_base": ("dry_base", float, 1.0, False),
+    "dry_allowed_length": ("dry_allowed_length", int, 1, True),
+    "dry_penalty_last_n": ("dry_penalty_last_n", int, -1, True),
 }
+# generation_config keys holding lists of strings
+_STRING_LIST_KEYS = ("dry_sequence_breakers",)
 
 
 def read_sampling_defaults(mode: str, model_path: str | None) -> dict[str, Any]:
@@ -57,8 +65,17 @@ def read_sampling_defaults(mode: str, model_path: str | None) -> dict[str, Any]:
         raise ValueError(f"generation_config: {file} is not readable JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"generation_config: {file} must hold a JSON object")
-    return {field: _checked(file, key, raw[key], kind, low, low_ok)
-            for key, (field, kind, low, low_ok) in _KEYS.items() if raw.get(key) is not None}
+    defaults = {field: _checked(file, key, raw[key], kind, low, low_ok)
+                for key, (field, kind, low, low_ok) in _KEYS.items() if raw.get(key) is not None}
+    for key in _STRING_LIST_KEYS:
+        value = raw.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ValueError(f"generation_config: {file}: {key}={value!r} must be a list of "
+                             "non-empty strings")
+        defaults[key] = list(value)
+    return defaults
 
 
 def _checked(file: Path, key: str, value: Any, kind: type, low: float, low_ok: bool) -> Any:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.config import EngineConfig
-from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.sampling_params import DEFAULT_DRY_SEQUENCE_BREAKERS, SamplingParams
 from kvserve.engine.structured_output import StructuredOutputCompiler
 from kvserve.engine.tokenizer import Tokenizer
 from kvserve.inputs import Prompt
@@ -71,6 +71,8 @@ class InputProcessor:
             ids.add(tokenizer.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(ids))
         self._grammar_compiler: StructuredOutputCompiler | None = None
+        self._vocab_texts: list[str] | None = None  # each token's text, read on first use
+        self._breaker_ids: dict[tuple[str, ...], frozenset[int]] = {}
 
     # ------------------------------------------------------------ the door
 
@@ -160,7 +162,22 @@ class InputProcessor:
         resolved = params.with_eos_token_ids(self.eos_token_ids)  # a copy
         if resolved.max_tokens is None:
             resolved.max_tokens = room
+        if resolved.uses_dry:
+            resolved = resolved.with_dry_breaker_ids(
+                self.dry_breaker_ids(resolved.dry_sequence_breakers))
         return resolved
+
+    def dry_breaker_ids(self, breakers: list[str] | None) -> frozenset[int]:
+        """The ids of the tokens whose text holds a DRY sequence breaker
+        (None: llama.cpp's defaults); cached per list."""
+        key = tuple(DEFAULT_DRY_SEQUENCE_BREAKERS if breakers is None else breakers)
+        if key not in self._breaker_ids:
+            if self._vocab_texts is None:
+                self._vocab_texts = [self.tokenizer.decode([i], skip_special_tokens=False)
+                                     for i in range(self.vocab_size)]
+            self._breaker_ids[key] = frozenset(
+                i for i, text in enumerate(self._vocab_texts) if any(b in text for b in key))
+        return self._breaker_ids[key]
 
     def _check_logprobs(self, params: SamplingParams) -> None:
         """At most ``max_logprobs`` top logprobs (-1: the vocabulary)."""

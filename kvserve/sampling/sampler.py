@@ -5,7 +5,8 @@ as device tensors plus host-side fast-path flags) from the ``SamplingRows``
 it keeps per request (numpy columns) and calls ``Sampler``.
 The order of operations is:
 
-    logit bias -> grammar bitmask -> penalties (repetition, presence, frequency) -> min_tokens mask
+    logit bias -> grammar bitmask -> penalties (repetition, presence, frequency, DRY)
+    -> min_tokens mask
     -> greedy rows: argmax
     -> temperature -> min_p -> top_k -> top_p -> exponential-race sample
 
@@ -32,6 +33,7 @@ import torch
 
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.host_copy import to_device
+from kvserve.sampling.dry import DrySettings, dry_triples
 
 # top_p rows keep tokens until the kept mass reaches top_p - this slack, so
 # float32 rounding of softmax/cumsum does not add one more token on exact cuts
@@ -77,6 +79,9 @@ class SamplingRows:
         self.top_k = np.full(num_rows, vocab_size, dtype=np.int64)  # vocab_size: off
         self.num_logprobs = np.full(num_rows, -1, dtype=np.int64)  # -1: none wanted
         self.argmax_only = np.zeros(num_rows, dtype=bool)
+        # DRY: a DrySettings per row that uses it (``dry_on``), else None
+        self.dry = np.full(num_rows, None, dtype=object)
+        self.dry_on = np.zeros(num_rows, dtype=bool)
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], vocab_size: int) -> SamplingRows:
@@ -100,14 +105,19 @@ class SamplingRows:
         self.top_k[row] = (params.top_k if 0 < params.top_k < self.vocab_size and not greedy
                            else self.vocab_size)
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.dry_on[row] = params.uses_dry
+        self.dry[row] = DrySettings(
+            params.dry_multiplier, params.dry_base, params.dry_allowed_length,
+            params.dry_penalty_last_n, params.dry_breaker_ids) if params.uses_dry else None
         self.argmax_only[row] = (greedy and params.logprobs is None and params.min_tokens == 0
                                  and not params.changes_logits
                                  and not self.has_penalties(np.array([row]))[0])
 
     def has_penalties(self, rows: np.ndarray) -> np.ndarray:
-        """Per row of ``rows``: whether any penalty is on (sampling reads its outputs)."""
+        """Per row of ``rows``: whether any penalty is on (sampling reads its
+        tokens: the prompt's and the outputs')."""
         penalties = self.floats[3:, rows]
-        return (penalties != _NEUTRAL[3:, None]).any(axis=0)
+        return (penalties != _NEUTRAL[3:, None]).any(axis=0) | self.dry_on[rows]
 
     def take(self, rows: np.ndarray) -> SamplingRows:
         """The settings of ``rows``, in that order."""
@@ -118,6 +128,8 @@ class SamplingRows:
         taken.top_k = self.top_k[rows]
         taken.num_logprobs = self.num_logprobs[rows]
         taken.argmax_only = self.argmax_only[rows]
+        taken.dry = self.dry[rows]
+        taken.dry_on = self.dry_on[rows]
         return taken
 
     @property
@@ -161,6 +173,10 @@ class SamplingBatch:
     bias_row_idx: torch.Tensor | None  # [B] int64
     bias_token_ids: torch.Tensor | None  # [B] int64
     bias_values: torch.Tensor | None  # [B] float32
+    # (row, token, penalty) triples subtracted from the logits (DRY, kvserve/sampling/dry.py)
+    dry_row_idx: torch.Tensor | None  # [D] int64
+    dry_token_ids: torch.Tensor | None  # [D] int64
+    dry_values: torch.Tensor | None  # [D] float32
     # structured output: bit j of word i of a row set when token 32 i + j is allowed
     token_bitmask: torch.Tensor | None  # [R, ceil(vocab_size / 32)] int32
     # row index -> that request's own generator (seeded, non-greedy rows only)
@@ -236,7 +252,7 @@ class SamplingBatch:
         token_bitmask: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """The batch of ``rows``. The token ids are read only when a row has a
-        penalty (the runner passes None otherwise); ``forbidden`` are the
+        penalty, DRY included (the runner passes None otherwise); ``forbidden`` are the
         (row, token) pairs to mask (``forbidden_token_ids``); ``generators``
         maps rows to seeded generators (greedy rows' are dropped);
         ``logit_bias`` the (row, token, bias) triples (``logit_bias_triples``);
@@ -254,9 +270,11 @@ class SamplingBatch:
             names = [name for name, on in zip(FLOAT_COLUMNS, used.tolist(), strict=True) if on]
             tensors.update(zip(names, stacked.unbind(0), strict=True))
         counts = prompt_mask = None
+        if (used[3:].any() or rows.dry_on.any()) and (prompt_token_ids is None
+                                                      or output_token_ids is None):
+            raise ValueError("SamplingBatch.from_rows: penalties need the rows' token ids")
         if used[3:].any():
-            if prompt_token_ids is None or output_token_ids is None:
-                raise ValueError("SamplingBatch.from_rows: penalties need the rows' token ids")
+            assert prompt_token_ids is not None and output_token_ids is not None
             counts = _token_counts(output_token_ids, vocab_size, device)
             if used[5]:
                 prompt_mask = _token_counts(prompt_token_ids, vocab_size, device) > 0
@@ -269,6 +287,15 @@ class SamplingBatch:
             bias_rows = to_device([t[0] for t in logit_bias], torch.int64, device)
             bias_ids = to_device([t[1] for t in logit_bias], torch.int64, device)
             bias_values = to_device([t[2] for t in logit_bias], torch.float32, device)
+        dry_rows = dry_ids = dry_values = None
+        if rows.dry_on.any():
+            assert prompt_token_ids is not None and output_token_ids is not None
+            triples = dry_triples([(i, rows.dry[i], [*prompt_token_ids[i], *output_token_ids[i]])
+                                   for i in np.flatnonzero(rows.dry_on).tolist()])
+            if triples:
+                dry_rows = to_device([t[0] for t in triples], torch.int64, device)
+                dry_ids = to_device([t[1] for t in triples], torch.int64, device)
+                dry_values = to_device([t[2] for t in triples], torch.float32, device)
         max_logprobs = int(rows.num_logprobs.max(initial=-1))
         return cls(
             num_rows=rows.num_rows,
@@ -291,6 +318,9 @@ class SamplingBatch:
             bias_row_idx=bias_rows,
             bias_token_ids=bias_ids,
             bias_values=bias_values,
+            dry_row_idx=dry_rows,
+            dry_token_ids=dry_ids,
+            dry_values=dry_values,
             token_bitmask=(None if token_bitmask is None
                            else to_device(token_bitmask.numpy(), torch.int32, device)),
             generators={i: g for i, g in generators.items() if not rows.greedy[i]},
@@ -407,6 +437,10 @@ class Sampler:
         if batch.token_bitmask is not None:
             logits = apply_token_bitmask(logits, batch.token_bitmask)
         logits = apply_penalties(logits, batch)
+        if batch.dry_row_idx is not None:
+            assert batch.dry_token_ids is not None and batch.dry_values is not None
+            logits = logits.index_put((batch.dry_row_idx, batch.dry_token_ids),
+                                      -batch.dry_values, accumulate=True)
         if batch.forbidden_row_idx is not None and batch.forbidden_token_ids is not None:
             logits = logits.index_put(
                 (batch.forbidden_row_idx, batch.forbidden_token_ids),

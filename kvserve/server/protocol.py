@@ -230,6 +230,12 @@ class SamplingRequest(APIRequest):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
+    # llama.cpp's DRY penalty (kvserve/sampling/dry.py)
+    dry_multiplier: float | None = Field(None, ge=0, le=100)
+    dry_base: float | None = Field(None, gt=1, le=10)
+    dry_allowed_length: int | None = Field(None, ge=1)
+    dry_penalty_last_n: int | None = Field(None, ge=-1)
+    dry_sequence_breakers: list[str] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False

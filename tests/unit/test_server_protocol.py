@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvserve import LLM
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.client import EngineDeadError, ThreadedEngineClient
@@ -266,3 +267,24 @@ def test_draining_and_loading_are_503(served: ServerState) -> None:
     assert call(loading, "POST", "/v1/completions", json=COMPLETION).status_code == 503
     text = loading.metrics.render().decode()
     assert 'kvserve:admission_rejections_total{model_name="tiny",reason="loading"} 1.0' in text
+
+
+def test_dry_fields_reach_the_sampler_and_bad_ones_name_the_field(
+        served: ServerState, tiny_model: Path) -> None:
+    body = {"prompt": [7, 7, 7, 7, 7, 7, 7, 7], "max_tokens": 24, "ignore_eos": True,
+            "temperature": 0, "dry_multiplier": 2.0, "dry_allowed_length": 2,
+            "dry_sequence_breakers": []}
+    response = call(served, "POST", "/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    llm = LLM(model=str(tiny_model), num_kv_blocks=64)
+    fields = {k: v for k, v in body.items() if k != "prompt"}
+    fields["temperature"] = 0.0
+    [dry] = llm.generate([body["prompt"]], SamplingParams(**fields), use_tqdm=False)
+    [plain] = llm.generate([body["prompt"]], SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert response.json()["choices"][0]["text"] == dry.outputs[0].text != plain.outputs[0].text
+    for field, value in (("dry_base", 1.0), ("dry_allowed_length", 0),
+                         ("dry_sequence_breakers", [""])):
+        response = call(served, "POST", "/v1/completions", json={**body, field: value})
+        assert response.status_code == 400, response.text
+        assert field in response.json()["error"]["message"]
