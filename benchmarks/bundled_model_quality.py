@@ -4,7 +4,8 @@
 Owns the evaluation of what a user sees from the bundled model: on the held-out stdlib files
 of scripts/train_default_model.py's split rule (this interpreter's stdlib, so a 3.11 run
 scores other versions of the same never-trained-on paths), greedy through kvserve's offline
-API (or, --engine transformers, the training run's own greedy loop):
+API (or, --url, through a running server with the model's defaults; or, --engine
+transformers, the training run's own greedy loop):
 - signature completions (`def name(...):` + newline, max_tokens 256): share that stop on
   their own (finish_reason "stop") and share of those that parse with their signature;
 - chat requests made from held-out docstring summaries (LLM.chat, the tokenizer's chat
@@ -23,6 +24,7 @@ evaluation uses the same functions). Must not train or write model files.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -62,9 +64,12 @@ def kvserve_generator(args: argparse.Namespace) -> Any:
     from kvserve import LLM, SamplingParams
 
     llm = LLM(model=str(args.model), device=args.device, seed=0)
-    params = SamplingParams(
-        temperature=0.0, max_tokens=args.max_tokens, repetition_penalty=args.repetition_penalty
-    )
+    if args.model_defaults:  # what a request that sets nothing gets, greedy
+        params = dataclasses.replace(llm.get_default_sampling_params(), temperature=0.0,
+                                     max_tokens=args.max_tokens, **args.sampling)
+    else:
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                repetition_penalty=args.repetition_penalty, **args.sampling)
 
     def run(prompts: list[str] | None, chats: list[list[dict[str, str]]] | None) -> list[Any]:
         outs = (llm.generate(prompts, params, use_tqdm=False) if prompts is not None
@@ -77,7 +82,9 @@ def kvserve_generator(args: argparse.Namespace) -> Any:
 
 def transformers_generator(args: argparse.Namespace) -> Any:
     """The same through transformers (default_model_sft.generate_until, the training run's
-    evaluation): stops on the config's eos_token_id, as kvserve does."""
+    evaluation): stops on the config's eos_token_id, as kvserve does; repetition penalty only."""
+    if args.sampling or args.model_defaults:
+        raise SystemExit("--sampling and --model-defaults need --engine kvserve")
     from tokenizers import Tokenizer
     from transformers import LlamaForCausalLM
 
@@ -100,11 +107,39 @@ def transformers_generator(args: argparse.Namespace) -> Any:
     return run
 
 
+def server_generator(args: argparse.Namespace) -> Any:
+    """The same through a running `kvserve serve` (--url): each request sends only its prompt
+    or messages and max_tokens, so the server's defaults (the model's generation_config)
+    decide the rest, as for a client that sets nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.request import Request, urlopen
+
+    def post(path: str, body: dict[str, Any]) -> tuple[str, bool, int]:
+        request = Request(args.url.rstrip("/") + path, data=json.dumps(body).encode(),
+                          headers={"Content-Type": "application/json"})
+        with urlopen(request, timeout=600) as response:
+            result = json.loads(response.read())
+        choice = result["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        return text, choice["finish_reason"] == "stop", result["usage"]["completion_tokens"]
+
+    def run(prompts: list[str] | None, chats: list[list[dict[str, str]]] | None) -> list[Any]:
+        jobs = ([("/v1/completions", {"prompt": p, "max_tokens": args.max_tokens})
+                 for p in prompts] if prompts is not None else
+                [("/v1/chat/completions", {"messages": c, "max_tokens": args.max_tokens})
+                 for c in chats or []])
+        with ThreadPoolExecutor(16) as pool:
+            return list(pool.map(lambda job: post(*job), jobs))
+
+    return run
+
+
 def generation_scores(args: argparse.Namespace, files: list[tuple[str, str]]) -> dict[str, Any]:
     """Signature completions and chat replies, greedy, through --engine."""
     tdm, sft, tasks = (sys.modules[n] for n in ("train_default_model", "default_model_sft",
                                                  "default_model_tasks"))
-    run = kvserve_generator(args) if args.engine == "kvserve" else transformers_generator(args)
+    run = (server_generator(args) if args.url else kvserve_generator(args)
+           if args.engine == "kvserve" else transformers_generator(args))
     sigs = tdm.heldout_signatures(files, args.num_signatures)
     t0 = time.monotonic()
     outs = run([s + "\n" for s in sigs], None)
@@ -188,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=MODELS / "kvserve-code-14m")
-    p.add_argument("--draft", type=Path, default=MODELS / "kvserve-code-draft-2m",
+    p.add_argument("--draft", default=str(MODELS / "kvserve-code-draft-2m"),
                    help="draft directory for α ('' to skip)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--engine", choices=("kvserve", "transformers"), default="kvserve",
@@ -198,13 +233,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-chats", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--sampling", type=json.loads, default={},
+                   help="more SamplingParams fields, JSON (kvserve engine), e.g. "
+                   "'{\"dry_multiplier\": 0.8, \"dry_allowed_length\": 8, "
+                   "\"dry_sequence_breakers\": []}'")
+    p.add_argument("--url", default=None,
+                   help="a running `kvserve serve` of --model (e.g. http://127.0.0.1:8000): "
+                   "completions and chat replies come from it, each request sending only its "
+                   "prompt or messages and max_tokens")
+    p.add_argument("--model-defaults", action="store_true",
+                   help="start from the model's generation_config.json (its repetition "
+                   "penalty and DRY settings) instead of --repetition-penalty; still greedy")
     p.add_argument("--heldout-windows", type=int, default=0,
                    help="512-token windows scored for bits per byte (0: all)")
     p.add_argument("--alpha-windows", type=int, default=100)
     p.add_argument("--out", type=Path, default=None, help="JSON file (also printed)")
     args = p.parse_args(argv)
-    if args.draft is not None and not str(args.draft):
-        args.draft = None
+    args.draft = Path(args.draft) if args.draft else None
     for name in ("default_model_tasks", "default_model_sft", "train_default_model"):
         load_script(name)
     files = heldout_files(sys.modules["train_default_model"])
@@ -214,9 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "python": sys.version.split()[0],
         "heldout_files": len(files),
-        "engine": args.engine,
+        "engine": args.engine if args.url is None else f"server {args.url}",
         "max_tokens": args.max_tokens,
-        "repetition_penalty": args.repetition_penalty,
+        "repetition_penalty": (None if args.model_defaults or args.url
+                               else args.repetition_penalty),
+        "sampling": args.sampling,
+        "model_defaults": args.model_defaults,
     }
     result.update(generation_scores(args, files))
     result.update(torch_scores(args, files))

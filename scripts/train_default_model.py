@@ -1480,13 +1480,26 @@ def stop_and_chat_eval(
     }
 
 
-def write_generation_defaults(model_dir: Path, penalty: float) -> None:
-    """Add the chosen repetition penalty to generation_config.json (only when not 1.0)."""
+# the generation_config keys of the DRY penalty (kvserve/sampling/dry.py)
+DRY_KEYS = ("dry_multiplier", "dry_allowed_length", "dry_sequence_breakers")
+
+
+def write_generation_defaults(model_dir: Path, penalty: float, dry_multiplier: float,
+                              dry_allowed_length: int) -> None:
+    """Add temperature 0 (greedy), the chosen repetition penalty (only when not 1.0) and the
+    DRY penalty (only when on; no sequence breakers: a loop of code spans lines) to
+    generation_config.json."""
     path = model_dir / "generation_config.json"
     gen = json.loads(path.read_text())
-    gen.pop("repetition_penalty", None)
+    for key in ("temperature", "repetition_penalty", *DRY_KEYS):
+        gen.pop(key, None)
     if penalty != 1.0:
         gen["repetition_penalty"] = penalty
+    # greedy, as do_sample false says (vLLM reads temperature, not do_sample)
+    gen["temperature"] = 0.0
+    if dry_multiplier > 0:
+        gen.update(dry_multiplier=dry_multiplier, dry_allowed_length=dry_allowed_length,
+                   dry_sequence_breakers=[])
     path.write_text(json.dumps(gen, indent=2) + "\n")
 
 
@@ -1737,6 +1750,10 @@ def task_rows(metrics: dict[str, Any]) -> list[str]:
         f"{fmt(r.get('chat_stop_share'))} |",
         f"| generation_config repetition_penalty (score per candidate: {scores}) | "
         f"{defaults.get('chosen', 'n/a')} |",
+        *([] if not (dry := metrics.get("generation_dry") or {}).get("dry_multiplier") else [
+            "| generation_config DRY penalty (decision 0045; the rows above decode without it), "
+            f"beside temperature 0 | multiplier {dry['dry_multiplier']}, allowed length "
+            f"{dry['dry_allowed_length']}, no breakers |"]),
     ]
 
 
@@ -1819,6 +1836,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda if available, else cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="tiny models and corpus (tests, CPU)")
+    p.add_argument("--dry-multiplier", type=float, default=0.8,
+                   help="DRY penalty written to the models' generation_config.json (0: none; "
+                   "decision 0045); the run's own evaluation decodes without it")
+    p.add_argument("--dry-allowed-length", type=int, default=8,
+                   help="DRY's unpenalised repeat length written beside --dry-multiplier")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj")
@@ -2493,11 +2515,14 @@ def main(argv: list[str] | None = None) -> int:
     results = evaluate_all(args, mods, tok, corpus, dev, errors, task)
     chosen = (results.get("generation_defaults") or {}).get("chosen", 1.0)
     for key in ("target", "draft"):
-        write_generation_defaults(out / names[key], chosen)
+        write_generation_defaults(out / names[key], chosen, args.dry_multiplier,
+                                  args.dry_allowed_length)
     eval_s = time.monotonic() - t0
 
     metrics: dict[str, Any] = {
         "names": names,
+        "generation_dry": {"dry_multiplier": args.dry_multiplier,
+                           "dry_allowed_length": args.dry_allowed_length},
         "device_name": device_name,
         "torch_version": torch.__version__,
         "transformers_version": __import__("transformers").__version__,

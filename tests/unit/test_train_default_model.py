@@ -444,6 +444,8 @@ def test_stop_and_chat_stages_and_kvserve_loads_the_target(run_dir: Path) -> Non
     dirs = model_dirs(run_dir)
     gen = json.loads((dirs["target"] / "generation_config.json").read_text())
     assert gen.get("repetition_penalty", 1.0) == chosen
+    assert (gen["dry_multiplier"], gen["dry_allowed_length"], gen["dry_sequence_breakers"],
+            gen["temperature"]) == (0.8, 8, [], 0.0)
     config = json.loads((dirs["target"] / "config.json").read_text())
     assert config["eos_token_id"] == [1, 6]  # <|eos|>, and <|end|> closes a chat turn
     llm = LLM(model=str(dirs["target"]), device="cpu", seed=0)
