@@ -15,12 +15,11 @@ CUDA graph replays are seen by the profiler on recent drivers; run with
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import torch
+from warm_engine import warm_engine
 
-from kvserve import LLM, SamplingParams
 from kvserve.engine.args import EngineArgs
 
 
@@ -35,13 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("profile_decode.py lists CUDA kernels: it needs a CUDA device", file=sys.stderr)
         return 2
-    engine_args = EngineArgs.from_cli_args(args)
-    llm = LLM(**dataclasses.asdict(engine_args))
-    vocab_size = llm.engine.config.model_config.vocab_size  # type: ignore[attr-defined]
-    prompt = torch.randint(3, vocab_size, (args.input_len,),
-                           generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate([prompt], params, use_tqdm=False)  # warm-up: compilation, graphs
+    llm, prompt, params = warm_engine(args)
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
         llm.generate([prompt], params, use_tqdm=False)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import functools
 import importlib
 import json
@@ -31,9 +30,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import torch
+from warm_engine import warm_engine
 
-from kvserve import LLM, SamplingParams
 from kvserve.engine.args import EngineArgs
 
 # (module, class, method), outermost first
@@ -88,13 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run the measured request under cProfile and write its "
                         "statistics here (pstats), the top 40 functions by own time printed")
     args = parser.parse_args(argv)
-    engine_args = EngineArgs.from_cli_args(args)
-    llm = LLM(**dataclasses.asdict(engine_args))
-    vocab_size = llm.engine.config.model_config.vocab_size  # type: ignore[attr-defined]
-    prompt = torch.randint(3, vocab_size, (args.input_len,),
-                           generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate([prompt], params, use_tqdm=False)  # warm-up: compilation, graphs
+    llm, prompt, params = warm_engine(args)
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     wrap_spans(totals)
     start = time.perf_counter()
