@@ -55,9 +55,12 @@ from kvserve.assets import DEFAULT_MODEL, MODELS_DIR  # noqa: E402
 from kvserve.engine.speculative import EAGLE_HEAD  # noqa: E402
 from kvserve.layers.rotary import RotaryEmbedding  # noqa: E402
 from kvserve.spec.eagle import (  # noqa: E402
+    AUX_KEY,
+    DRAFT_VOCAB_KEY,
     EagleHead,
     eagle_head_config,
     head_model_config,
+    restrict_draft_vocab,
     save_eagle_head,
 )
 
@@ -317,9 +320,16 @@ def write_card(out: Path, result: dict[str, Any]) -> None:
              f"EAGLE head for `{Path(result['target']).name}` (kvserve/spec/eagle.py), trained "
              "by scripts/train_eagle_head.py: one decoder layer over the target's final hidden "
              "states" + (f" (fused with the streams entering layers {list(aux)})" if aux else "")
-             + " and token embeddings; the target's LM head.", "",
-             f"Trained {result['train']['steps']} steps in {result['train']['train_s']:.0f} s "
-             f"on {result['device']} ({result['num_params']:,} parameters, {result['dtype']}).",
+             + " and token embeddings; " + (
+                 "the target's LM head." if not (vocab := result.get("draft_vocab")) else
+                 f"the target's LM-head rows of the {vocab['size']:,} most frequent training "
+                 f"tokens ({vocab['train_token_share']:.1%} of the training text) as its "
+                 "draft vocabulary."), "",
+             (f"Trained {result['train']['steps']} steps in {result['train']['train_s']:.0f} s"
+              if "from_head" not in result["train"] else
+              f"Taken from {result['train']['from_head']} without training")
+             + f" on {result['device']} ({result['num_params']:,} parameters, "
+             f"{result['dtype']}).",
              "", "| held-out | value |", "|---|---:|",
              f"| teacher-forced top-1 agreement per chained step | "
              f"{', '.join(f'{a:.3f}' for a in result['heldout_agreement'])} |"]
@@ -368,6 +378,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated target layers whose input streams the head also "
                    "reads (EAGLE-3 style); 'auto' (default): vLLM's choice 2, L // 2, L - 3 "
                    "of an L-layer target; 'none': the final hidden state only")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="propose from the N most frequent tokens of the training text only "
+                   "(EAGLE-3's draft vocabulary: the head gets those rows of the target's LM "
+                   "head, so each proposal reads N of its vocab_size rows); 0: all")
+    p.add_argument("--from-head", default=None,
+                   help="a trained head directory to start from instead of training (with "
+                   "--draft-vocab: give an existing head a draft vocabulary)")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--eval-k", type=int, default=4)
@@ -405,17 +422,40 @@ def main(argv: list[str] | None = None) -> int:
     streams = {name: encode(tokenizer, texts, args.bos_id) for name, texts in splits.items()}
     log(f"corpus: {len(splits['train'])} train / {len(splits['heldout'])} held-out files, "
         f"{streams['train'].size:,} / {streams['heldout'].size:,} tokens; device {device}")
-    args.aux_layers = aux_layers(args.aux_layers, int(target_config["num_hidden_layers"]))
-    head_config = eagle_head_config(target_config, args.aux_layers)
+    if args.from_head is not None:
+        head_config = json.loads((Path(args.from_head) / "config.json").read_text())
+        if head_config.get(DRAFT_VOCAB_KEY) is not None:
+            raise SystemExit(f"--from-head {args.from_head}: the head already has a draft "
+                             "vocabulary; start from one without")
+        args.aux_layers = tuple(head_config.get(AUX_KEY) or ())
+    else:
+        args.aux_layers = aux_layers(args.aux_layers, int(target_config["num_hidden_layers"]))
+        head_config = eagle_head_config(target_config, args.aux_layers)
     head = make_trainable_head(head_config, target.float(), args.aux_layers).to(device)
     target = target.to(dtype)
     result: dict[str, Any] = {"target": str(target_dir), "device": str(device),
                               "args": {k: v for k, v in vars(args).items()},
                               "num_params": sum(p.numel() for p in head.parameters())}
-    result["train"] = train(args, head, target, streams, device)
+    if args.from_head is not None:
+        from safetensors.torch import load_file
+
+        head.load_state_dict({k: v.float() for k, v in load_file(
+            str(Path(args.from_head) / "model.safetensors"), device=str(device)).items()})
+        result["train"] = {"from_head": args.from_head, "steps": 0, "train_s": 0.0}
+    else:
+        result["train"] = train(args, head, target, streams, device)
     head.eval()
     result["heldout_agreement"] = heldout_agreement(args, head, target, streams["heldout"], device)
     log(f"held-out top-1 agreement per chained step: {result['heldout_agreement']}")
+    if args.draft_vocab:
+        counts = np.bincount(streams["train"], minlength=int(target_config["vocab_size"]))
+        top = np.argsort(-counts, kind="stable")[:args.draft_vocab]
+        head, head_config = restrict_draft_vocab(
+            head, head_config, target.get_output_embeddings().weight.float(), torch.from_numpy(top))
+        result["num_params"] = sum(p.numel() for p in head.parameters())
+        result["draft_vocab"] = {"size": len(top),
+                                 "train_token_share": float(counts[top].sum() / counts.sum())}
+        log(f"draft vocabulary: {result['draft_vocab']}")
     saved_dtype = torch.bfloat16 if target_config.get("torch_dtype") == "bfloat16" else None
     if saved_dtype is not None:
         head = head.to(saved_dtype)

@@ -19,6 +19,14 @@ residual streams entering those layers on every forward, and the head's
 ``fuse`` maps ``[aux_1; ...; aux_n; f_t]`` to the feature it reads for the
 target's rows (its own chained rows still read its output).
 
+A head may propose from a draft vocabulary, as EAGLE-3 does: with
+``draft_vocab_size`` in its config it carries its own ``lm_head`` over that
+many tokens and ``d2t`` (draft id -> target id offsets, vLLM's layout:
+target id = draft id + ``d2t[draft id]``), so each proposal reads a fraction
+of the target's LM head; ``restrict_draft_vocab`` makes one from a head by
+keeping the target's LM-head rows of the most frequent tokens. Verification
+is untouched: a proposal outside the vocabulary is simply never made.
+
 A head is a directory with ``config.json`` (``architectures:
 ["EagleHead"]``, the layer's shape, the target's ``hidden_size`` and
 ``vocab_size``) and ``model.safetensors`` in this module's parameter names;
@@ -48,6 +56,8 @@ from kvserve.spec.proposer import ChainProposer, ProposerSetting, ProposerStep
 
 # a head config's target layers whose input streams it fuses (vLLM's EAGLE-3 key)
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"
+# a head config's draft vocabulary size (EAGLE-3's key)
+DRAFT_VOCAB_KEY = "draft_vocab_size"
 
 
 def head_model_config(config: dict[str, Any], source: str) -> ModelConfig:
@@ -62,11 +72,20 @@ class EagleHead(nn.Module):
     with ``aux_layer_ids``, ``fuse`` first makes the target's feature from the
     residual streams entering those layers and the final hidden state."""
 
-    def __init__(self, config: ModelConfig, aux_layer_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, config: ModelConfig, aux_layer_ids: tuple[int, ...] = (),
+                 draft_vocab_size: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.aux_layer_ids = aux_layer_ids
         hidden = config.hidden_size
+        # a draft vocabulary: its own LM head and the draft -> target id offsets
+        self.lm_head = (Linear(hidden, draft_vocab_size, bias=False)
+                        if draft_vocab_size is not None else None)
+        self.d2t: torch.Tensor | None
+        if draft_vocab_size is None:
+            self.d2t = None
+        else:
+            self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
         self.fuse = (Linear((len(aux_layer_ids) + 1) * hidden, hidden, bias=False)
                      if aux_layer_ids else None)
         self.fc = Linear(2 * hidden, hidden, bias=False)
@@ -86,6 +105,15 @@ class EagleHead(nn.Module):
         hidden, residual = self.layer(positions, x, None, metadata)
         out, _ = self.norm(hidden, residual)
         return out
+
+    def propose(self, features: torch.Tensor, target: CausalLM) -> torch.Tensor:
+        """The argmax token (a target id) of each row of the head's output
+        features: over the draft vocabulary when the head has one, else over
+        the target's LM head."""
+        if self.lm_head is None or self.d2t is None:
+            return target.compute_logits(features).argmax(dim=-1)
+        draft_ids = self.lm_head(features).argmax(dim=-1)
+        return draft_ids + self.d2t[draft_ids]
 
     def target_features(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         """The feature the head reads for the target's rows: the final hidden
@@ -121,7 +149,7 @@ class EagleProposer(ChainProposer):
         num_rows, num_draft = len(rows), int(step.num_draft[rows].max())
         rows_t, limit, last_positions = self.chain_setup(step, rows)
         features = out.index_select(0, step.last_index.index_select(0, rows_t))
-        tokens = self.target.compute_logits(features).argmax(dim=-1)
+        tokens = self.head.propose(features, self.target)
         drafts = torch.empty((num_rows, num_draft), dtype=torch.int64, device=self.device)
         drafts[:, 0] = tokens
         for j in range(1, num_draft):
@@ -136,7 +164,7 @@ class EagleProposer(ChainProposer):
         b = self.buffers
         out = self.head(self.target.embed_input_ids(b.input_ids[:num_rows]),
                         b.features[:num_rows], b.positions[:num_rows], metadata)
-        return self.target.compute_logits(out).argmax(dim=-1), out
+        return self.head.propose(out, self.target), out
 
     def _next_ids(self, step: ProposerStep) -> torch.Tensor:
         """The token after each of the step's rows: the next row's input within
@@ -182,14 +210,43 @@ def aux_layer_ids(config: dict[str, Any], source: str, num_target_layers: int
     return tuple(ids)
 
 
+def draft_vocab_size(config: dict[str, Any], source: str, vocab_size: int) -> int | None:
+    """A head config's draft vocabulary size, checked (None: the target's whole vocabulary)."""
+    size = config.get(DRAFT_VOCAB_KEY)
+    if size is None or size == vocab_size:
+        return None
+    if type(size) is not int or not 0 < size < vocab_size:
+        raise ValueError(f"{source}: field '{DRAFT_VOCAB_KEY}'={size!r} is invalid: must be an "
+                         f"integer in [1, {vocab_size}] (the target's vocab_size)")
+    return size
+
+
+def restrict_draft_vocab(head: EagleHead, config: dict[str, Any], target_lm_head: torch.Tensor,
+                         token_ids: torch.Tensor) -> tuple[EagleHead, dict[str, Any]]:
+    """A copy of ``head`` (and its config) proposing only ``token_ids`` (target ids,
+    e.g. the most frequent tokens of the training text): its ``lm_head`` is
+    those rows of the target's LM head weight ``[vocab, hidden]``, so on those
+    tokens it ranks exactly as the target's LM head does."""
+    ids = torch.sort(token_ids.to(torch.int64).unique()).values.cpu()
+    if not len(ids) or int(ids[0]) < 0 or int(ids[-1]) >= target_lm_head.shape[0]:
+        span = f"ids in [{int(ids[0])}, {int(ids[-1])}]" if len(ids) else "no ids"
+        raise ValueError(f"restrict_draft_vocab: token ids must lie in [0, "
+                         f"{target_lm_head.shape[0]}), got {span}")
+    restricted = EagleHead(head.config, head.aux_layer_ids, len(ids))
+    restricted.load_state_dict({**head.state_dict(),
+                                "lm_head.weight": target_lm_head.detach().cpu()[ids],
+                                "d2t": ids - torch.arange(len(ids))})
+    return restricted, {**config, DRAFT_VOCAB_KEY: len(ids)}
+
+
 def save_eagle_head(head: EagleHead, config: dict[str, Any], path: Path) -> None:
     """Write a head directory (``config.json``, ``model.safetensors``)."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({name: param.detach().contiguous().cpu()
-               for name, param in head.named_parameters()}, str(path / "model.safetensors"))
+    save_file({name: tensor.detach().contiguous().cpu()
+               for name, tensor in head.state_dict().items()}, str(path / "model.safetensors"))
 
 
 def write_random_eagle_head(target_config: dict[str, Any], path: Path, std: float,
@@ -214,17 +271,18 @@ def load_eagle_head(path: Path, device: torch.device, dtype: torch.dtype,
 
     raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
     config = head_model_config(raw, str(path / "config.json"))
-    aux = aux_layer_ids(raw, f"speculative_config.model={str(path)!r}: config.json",
-                        num_target_layers)
+    source = f"speculative_config.model={str(path)!r}: config.json"
+    aux = aux_layer_ids(raw, source, num_target_layers)
+    draft_vocab = draft_vocab_size(raw, source, config.vocab_size)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters in dtype; the rope cache stays float32
     try:
         with torch.device(device):
-            head = EagleHead(config, aux)
+            head = EagleHead(config, aux, draft_vocab)
     finally:
         torch.set_default_dtype(previous)
     weights = load_file(str(path / "model.safetensors"), device=str(device))
-    params = dict(head.named_parameters())
+    params = head.state_dict()
     missing = sorted(set(params) - set(weights))
     unexpected = sorted(set(weights) - set(params))
     if missing or unexpected:
@@ -237,6 +295,11 @@ def load_eagle_head(path: Path, device: torch.device, dtype: torch.dtype,
                     f"speculative_config.model={str(path)!r}: tensor '{name}' has shape "
                     f"{tuple(weights[name].shape)}; the head's config needs {tuple(param.shape)}")
             param.copy_(weights[name])
+    if head.d2t is not None:
+        target_ids = torch.arange(len(head.d2t), device=head.d2t.device) + head.d2t
+        if not bool(((target_ids >= 0) & (target_ids < config.vocab_size)).all()):
+            raise ValueError(f"speculative_config.model={str(path)!r}: tensor 'd2t' maps draft "
+                             f"ids outside the target's vocabulary [0, {config.vocab_size})")
     return head.eval()
 
 

@@ -23,6 +23,7 @@ from kvserve.spec.eagle import (
     eagle_head_config,
     head_model_config,
     load_eagle_head,
+    restrict_draft_vocab,
     save_eagle_head,
     write_random_eagle_head,
 )
@@ -152,6 +153,22 @@ def test_train_eagle_head_toy_run(target: Path, tmp_path: Path, aux: str) -> Non
         "method": "eagle", "model": str(out), "num_speculative_tokens": 2,
         "auto_disable": False}).generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    if aux == "none":
+        return
+    # the trained head given a draft vocabulary without training: the 50 most frequent
+    # training tokens, the rest of the head as it was
+    restricted = tmp_path / "restricted"
+    subprocess.run([sys.executable, str(SCRIPT), "--toy", "--target", str(target),
+                    "--corpus-dir", str(corpus), "--out", str(restricted), "--from-head",
+                    str(out), "--draft-vocab", "50"], check=True, cwd=REPO)
+    assert json.loads((restricted / "config.json").read_text())["draft_vocab_size"] == 50
+    log = json.loads((restricted / "train_log.json").read_text())
+    assert log["train"]["steps"] == 0 and 0 < log["draft_vocab"]["train_token_share"] <= 1
+    assert "draft vocabulary" in (restricted / "README.md").read_text()
+    spec = LLM(model=str(target), speculative_config={
+        "method": "eagle", "model": str(restricted), "num_speculative_tokens": 2,
+        "auto_disable": False}).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
 
 
 def test_bundled_head_speculates_for_the_bundled_target() -> None:
@@ -193,3 +210,81 @@ def test_eagle_table_reads_heads_and_flags_a_failed_one(tmp_path: Path) -> None:
     assert rows[2] == ("| aux | 2,4,5 | 7000 | 0.70 0.65 0.60 | 0.71 / 3.04 "
                        "| 0.70 / 3.10 / 480 of 1200 tok/s (tokens differ) |")
     assert rows[3] == "| failed | no train_log.json: the run failed (see its log) |"
+
+
+def restricted_head(target: Path, path: Path, token_ids: list[int]) -> tuple[EagleHead, Any]:
+    """A random head for the tiny target restricted to ``token_ids``, written to
+    ``path``; with the target (transformers) whose LM head it takes rows of."""
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((target / "config.json").read_text())
+    write_random_eagle_head(config, path, 0.1)
+    head = load_eagle_head(path, torch.device("cpu"), torch.float32, 2)
+    reference = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    restricted, head_config = restrict_draft_vocab(
+        head, json.loads((path / "config.json").read_text()),
+        reference.get_output_embeddings().weight, torch.tensor(token_ids))
+    save_eagle_head(restricted, head_config, path)
+    return restricted, reference
+
+
+def test_a_draft_vocabulary_proposes_the_targets_argmax_over_its_tokens(
+        target: Path, tmp_path: Path) -> None:
+    """``restrict_draft_vocab``: each proposal is the target LM head's argmax
+    over the kept tokens (a target id); the head saves and reloads as it was."""
+    kept = [3, 5, 7, 11, 42, 99, 250, 300, 301, 17]
+    head, reference = restricted_head(target, tmp_path / "head", kept)
+    features = torch.randn(64, head.config.hidden_size)
+
+    class Target:
+        @staticmethod
+        def compute_logits(x: torch.Tensor) -> torch.Tensor:
+            return reference.lm_head(x)
+
+    with torch.no_grad():
+        full = reference.lm_head(features)
+        masked = torch.full_like(full, float("-inf"))
+        masked[:, sorted(kept)] = full[:, sorted(kept)]
+        got = head.propose(features, Target())  # type: ignore[arg-type]
+        assert got.tolist() == masked.argmax(dim=-1).tolist()
+        assert set(got.tolist()) <= set(kept)
+        loaded = load_eagle_head(tmp_path / "head", torch.device("cpu"), torch.float32, 2)
+        assert loaded.propose(features, Target()).tolist() == got.tolist()  # type: ignore[arg-type]
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["draft_vocab_size"] == 10
+
+
+def test_greedy_output_is_identical_with_a_draft_vocabulary_head(target: Path,
+                                                                 tmp_path: Path) -> None:
+    restricted_head(target, tmp_path / "head", list(range(0, 384, 3)))
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain = LLM(model=str(target)).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(model=str(target), speculative_config={
+        "method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3,
+        "auto_disable": False})
+    seen = spy_on_proposals(llm)
+    spec = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert seen and all(t % 3 == 0 for _, proposals in seen for t in proposals)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"draft_vocab_size": 0}, "draft_vocab_size'=0 is invalid"),
+    ({"draft_vocab_size": 10**6}, "draft_vocab_size'=1000000 is invalid"),
+    ({"d2t": 10**6}, "'d2t' maps draft ids outside the target's vocabulary"),
+])
+def test_a_bad_draft_vocabulary_fails_at_start_up(target: Path, tmp_path: Path,
+                                                  change: dict[str, int], message: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "head"
+    restricted_head(target, path, [1, 2, 3])
+    if "d2t" in change:
+        weights = load_file(str(path / "model.safetensors"))
+        weights["d2t"] = weights["d2t"] + change["d2t"]
+        save_file(weights, str(path / "model.safetensors"))
+    else:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(target), speculative_config={"method": "eagle", "model": str(path),
+                                                   "num_speculative_tokens": 2})
