@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# the exponent stops growing here: base ** 48 already outweighs any logit
+# the exponent stops growing here, so the penalty stays finite (1.75 ** 48 is 5e11)
 MAX_EXPONENT = 48
 
 
