@@ -333,9 +333,11 @@ def _token_counts(
 ) -> torch.Tensor:
     """How often each token occurs in each row: [R, vocab_size] int32."""
     max_len = max((len(ids) for ids in token_ids), default=0)
-    # pad with vocab_size, an extra bucket sliced off below
-    padded = [list(ids) + [vocab_size] * (max_len - len(ids)) for ids in token_ids]
-    idx = to_device(padded, torch.int64, device).reshape(len(token_ids), max_len)
+    # pad with vocab_size, an extra bucket sliced off below; numpy rows, one copy
+    padded = np.full((len(token_ids), max_len), vocab_size, dtype=np.int64)
+    for row, ids in enumerate(token_ids):
+        padded[row, :len(ids)] = ids
+    idx = to_device(padded, torch.int64, device)
     idx.clamp_(0, vocab_size)
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.int32, device=device)
     counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))
