@@ -55,9 +55,9 @@ from kvserve.assets import DEFAULT_MODEL, MODELS_DIR  # noqa: E402
 from kvserve.engine.speculative import EAGLE_HEAD  # noqa: E402
 from kvserve.layers.rotary import RotaryEmbedding  # noqa: E402
 from kvserve.spec.eagle import (  # noqa: E402
-    AUX_KEY,
     DRAFT_VOCAB_KEY,
     EagleHead,
+    aux_layer_ids,
     eagle_head_config,
     head_model_config,
     restrict_draft_vocab,
@@ -427,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         if head_config.get(DRAFT_VOCAB_KEY) is not None:
             raise SystemExit(f"--from-head {args.from_head}: the head already has a draft "
                              "vocabulary; start from one without")
-        args.aux_layers = tuple(head_config.get(AUX_KEY) or ())
+        args.aux_layers = aux_layer_ids(head_config, f"--from-head {args.from_head}",
+                                        int(target_config["num_hidden_layers"]))
     else:
         args.aux_layers = aux_layers(args.aux_layers, int(target_config["num_hidden_layers"]))
         head_config = eagle_head_config(target_config, args.aux_layers)

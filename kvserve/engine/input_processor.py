@@ -30,6 +30,8 @@ from kvserve.inputs import Prompt
 from kvserve.lora.request import LoRARequest
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
+# distinct dry_sequence_breakers lists whose token ids are kept
+BREAKER_CACHE_SIZE = 16
 
 
 class RequestOutputKind(enum.Enum):
@@ -169,9 +171,12 @@ class InputProcessor:
 
     def dry_breaker_ids(self, breakers: list[str] | None) -> frozenset[int]:
         """The ids of the tokens whose text holds a DRY sequence breaker
-        (None: llama.cpp's defaults); cached per list."""
+        (None: llama.cpp's defaults); the last ``BREAKER_CACHE_SIZE`` lists are
+        cached, so clients sending ever new lists cannot grow it."""
         key = tuple(DEFAULT_DRY_SEQUENCE_BREAKERS if breakers is None else breakers)
         if key not in self._breaker_ids:
+            if len(self._breaker_ids) >= BREAKER_CACHE_SIZE:  # forget the oldest list
+                del self._breaker_ids[next(iter(self._breaker_ids))]
             if self._vocab_texts is None:
                 self._vocab_texts = [self.tokenizer.decode([i], skip_special_tokens=False)
                                      for i in range(self.vocab_size)]

@@ -23,7 +23,7 @@ from kvserve.cli import build_parser
 from kvserve.console import sampling_params
 from kvserve.engine.generation_config import read_sampling_defaults
 from kvserve.sampling.dry import MAX_EXPONENT, DrySettings, dry_penalties
-from kvserve.sampling.sampler import Sampler, SamplingBatch
+from kvserve.sampling.sampler import Sampler, SamplingBatch, SamplingRows
 
 DRY = {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2,
        "dry_sequence_breakers": []}
@@ -101,17 +101,12 @@ def test_the_sampler_subtracts_the_penalties_from_its_rows_only() -> None:
     assert out.sampled_token_ids.tolist() == [5, 4]
     greedy, _ = Sampler().process(logits.clone(), batch)
     assert greedy is not None and greedy.tolist() == [5, 4]
-    with pytest.raises(ValueError, match="penalties need the rows' token ids"):
-        SamplingBatch.from_rows(batch_rows(params, vocab), None, None, [], {}, "cpu")
-
-
-def batch_rows(params: list[SamplingParams], vocab: int) -> Any:
-    from kvserve.sampling.sampler import SamplingRows
-
+    # a DRY row reads its tokens, so it is never a plain argmax
     rows = SamplingRows.of(params, vocab)
-    assert rows.has_penalties(np.arange(len(params))).tolist() == [True, False]
+    assert rows.has_penalties(np.arange(2)).tolist() == [True, False]
     assert not rows.argmax_only[0] and rows.argmax_only[1]
-    return rows
+    with pytest.raises(ValueError, match="penalties need the rows' token ids"):
+        SamplingBatch.from_rows(rows, None, None, [], {}, "cpu")
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -243,3 +238,15 @@ def test_dry_settings_survive_the_trip_to_an_engine_core_process() -> None:
     request, _ = msgspec.msgpack.Decoder(tuple[EngineCoreRequest, str | None]).decode(encoded)
     assert request.sampling_params == params
     assert request.sampling_params.dry_breaker_ids == frozenset({3, 9})
+
+
+def test_the_breaker_cache_keeps_only_the_latest_lists(model: Path) -> None:
+    from kvserve.engine.input_processor import BREAKER_CACHE_SIZE
+
+    processor = LLM(model=str(model), num_kv_blocks=32).engine.processor
+    lists = [[f"x{i}"] for i in range(BREAKER_CACHE_SIZE + 5)]
+    for breakers in lists:
+        processor.dry_breaker_ids(breakers)
+    assert len(processor._breaker_ids) == BREAKER_CACHE_SIZE
+    assert tuple(lists[-1]) in processor._breaker_ids
+    assert tuple(lists[0]) not in processor._breaker_ids
