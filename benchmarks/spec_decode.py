@@ -17,7 +17,9 @@
   (a share of theory >= 0.85 needs it <= ~1.15 at k = 4). ``--oracle-ks``,
   ``--oracle-alphas`` pick a subset; ``--no-async-scheduling`` runs both
   sides synchronously (speculative steps then read before the next is
-  planned and output processing no longer overlaps).
+  planned and output processing no longer overlaps); ``--no-plan-ahead``
+  keeps async scheduling but reads each speculative step before planning
+  the next (``speculative_config.plan_ahead``).
 - ``real``: the bundled target at batch 1 on held-out stdlib code (the
   target's own split: never trained on), 64-token prompts, 128 new tokens:
   plain, ngram, draft_model (the bundled draft) and eagle (the bundled head
@@ -148,7 +150,7 @@ def oracle_part(args: argparse.Namespace) -> dict[str, Any]:
         for alpha in args.oracle_alphas:
             llm = LLM(**engine, speculative_config={
                 "method": "oracle", "num_speculative_tokens": k, "acceptance_rate": alpha,
-                "forced_acceptance": True,
+                "forced_acceptance": True, "plan_ahead": args.plan_ahead,
                 "auto_disable": False})
             timed_decode(llm, prompts, args.output_len, 1)  # warm-up
             spec = timed_decode(llm, prompts, args.output_len, args.iters)
@@ -169,7 +171,7 @@ def oracle_part(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": f"{args.oracle_model} (dummy, {engine.get('dtype', 'float32')})",
             "batch": 1, "prompt": 128,
             "output_len": args.output_len, "async_scheduling": args.async_scheduling,
-            "plain": plain, "rows": rows}
+            "plan_ahead": args.plan_ahead, "plain": plain, "rows": rows}
 
 
 def heldout_prompts(num: int, prompt_len: int) -> list[list[int]]:
@@ -228,7 +230,8 @@ def real_part(args: argparse.Namespace) -> dict[str, Any]:
         kwargs = dict(engine)
         if config is not None:
             kwargs["speculative_config"] = {**config, "num_speculative_tokens": args.real_k,
-                                            "auto_disable": False}
+                                            "auto_disable": False,
+                                            "plan_ahead": args.plan_ahead}
         llm = LLM(**kwargs)
         timed_decode(llm, prompts[:1], 16, 1)  # warm-up
         start = time.perf_counter()
@@ -340,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated acceptance rates of the oracle part")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                         help="oracle part: synchronous steps, plain and speculative")
+    parser.add_argument("--no-plan-ahead", dest="plan_ahead", action="store_false",
+                        help="read each speculative step before planning the next")
     parser.add_argument("--real-prompts", type=int, default=16)
     parser.add_argument("--real-new-tokens", type=int, default=128)
     parser.add_argument("--real-k", type=int, default=4)

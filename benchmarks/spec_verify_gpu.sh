@@ -7,13 +7,14 @@
 # lists the kernels of plain and verify steps (oracle k = 4) and times the skinny GEMM at the
 # row counts of a plain and a verify step (the down projection also with its SiLU gate fused).
 #   benchmarks/spec_verify_gpu.sh OUT_DIR [STAGE...]
-# Stages, in order (default: all but profile): tests oracle-k4 oracle-k4-sync oracle-grid
-# profile.
+# Stages, in order (default: all but profile): tests oracle-k4 oracle-k4-read-first
+# oracle-k4-sync oracle-grid profile (read-first: async steps, each speculative step read
+# before the next is planned).
 # Run from the repository root on the GPU machine; JSON and logs land in OUT_DIR.
 set -euo pipefail
 out=${1:?output directory}
 shift
-stages=${*:-tests oracle-k4 oracle-k4-sync oracle-grid}
+stages=${*:-tests oracle-k4 oracle-k4-read-first oracle-k4-sync oracle-grid}
 mkdir -p "$out"
 source benchmarks/gpu_lib.sh
 
@@ -27,6 +28,11 @@ for stage in $stages; do
         oracle-k4)
             run oracle-k4 python benchmarks/spec_decode.py --out "$out/oracle-k4" \
                 --parts oracle --oracle-ks 4 --oracle-alphas 0.8
+            ;;
+        oracle-k4-read-first)
+            run oracle-k4-read-first python benchmarks/spec_decode.py \
+                --out "$out/oracle-k4-read-first" --parts oracle --oracle-ks 4 \
+                --oracle-alphas 0.8 --no-plan-ahead
             ;;
         oracle-k4-sync)
             run oracle-k4-sync python benchmarks/spec_decode.py --out "$out/oracle-k4-sync" \

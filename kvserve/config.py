@@ -357,7 +357,9 @@ class SpeculativeConfig:
     the target's). Speculation switches itself off in a step whose
     decode batch makes it cost more than it gains (``core/spec_policy.py``)
     unless ``auto_disable`` is False; ``disable_by_batch_size`` replaces that
-    rule with a fixed batch size.
+    rule with a fixed batch size. ``plan_ahead`` (a kvserve key) lets
+    async scheduling plan a step before the one in flight is read, when
+    proposals stay on the device (``plans_ahead``).
     """
 
     method: str
@@ -370,6 +372,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     auto_disable: bool = True
     seed: int = 0
+    plan_ahead: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -404,6 +407,9 @@ class SpeculativeConfig:
                 f"speculative_config.disable_by_batch_size={self.disable_by_batch_size} is "
                 "invalid: must be >= 1 (or unset: the measured-cost rule)"
             )
+        if not isinstance(self.plan_ahead, bool):
+            raise ValueError(f"speculative_config.plan_ahead={self.plan_ahead!r} is invalid: "
+                             "must be true or false")
         if self.method in ("draft_model", "eagle") and not self.model:
             raise ValueError(
                 f"speculative_config.model is required for method={self.method!r}: the "
@@ -411,11 +417,30 @@ class SpeculativeConfig:
             )
 
     @property
+    def proposes_on_device(self) -> bool:
+        """Whether the proposals are made on the device (a draft model, an
+        EAGLE head; the oracle's placeholders in ``forced_acceptance`` mode),
+        so a step can take them as inputs before the host has read them."""
+        return self.method in ("draft_model", "eagle") or self.forced_acceptance
+
+    @property
     def uses_lookahead_slots(self) -> bool:
         """Whether the proposer writes KV past the verified tokens while it
         drafts (a draft model or head runs its own forward on its proposals),
         so each proposing request needs that many more slots for the step."""
         return self.method in ("draft_model", "eagle")
+
+
+def plans_ahead(scheduler_config: SchedulerConfig,
+                speculative_config: SpeculativeConfig | None) -> bool:
+    """Whether the engine plans each speculative step before the one in flight
+    is read (async scheduling, one pipeline stage, proposals on the device,
+    ``plan_ahead`` on): the scheduler counts the proposals in flight as
+    accepted and the runner takes the accepted tokens and the proposals on
+    the device (``core/scheduler.py``, ``worker/model_runner.py``)."""
+    return (speculative_config is not None and speculative_config.plan_ahead
+            and speculative_config.proposes_on_device and scheduler_config.async_scheduling
+            and scheduler_config.pipeline_parallel_size == 1)
 
 
 KV_ROLES = ("prefill", "decode", "both")

@@ -143,16 +143,18 @@ class KVCacheManager:
         # the next block to register fills at (num_done + 1) * block_size tokens
         self._room[request_id] = min(num_slots, (num_done + 1) * self.block_size - 1)
 
-    def free_tail(self, request: Request) -> None:
-        """Release the request's whole blocks past its computed tokens: the
-        slots of rejected proposals and of a proposer's lookahead. Such
+    def free_tail(self, request: Request, num_tokens: int) -> int | None:
+        """Release the request's whole blocks past its first ``num_tokens``
+        slots (its computed tokens, and the lookahead of a step in flight):
+        the slots of rejected proposals and of a proposer's lookahead. Such
         blocks never hold a registered hash (only blocks full of accepted
-        tokens are registered, and those lie within the computed tokens)."""
+        tokens are registered, and those lie within the computed tokens).
+        Returns how many blocks it keeps, or None when none was freed."""
         request_id = request.request_id
         blocks = self.req_to_blocks.get(request_id)
-        keep = self.num_blocks_needed(request.num_computed_tokens)
+        keep = self.num_blocks_needed(num_tokens)
         if blocks is None or len(blocks) <= keep:
-            return
+            return None
         tail = blocks[keep:]
         del blocks[keep:]
         self.pool.free_blocks(list(reversed(tail)))
@@ -160,6 +162,7 @@ class KVCacheManager:
         num_slots = len(blocks) * self.block_size
         self._room[request_id] = (num_slots if not self.enable_caching
                                   else min(num_slots, (num_done + 1) * self.block_size - 1))
+        return keep
 
     def free(self, request: Request) -> None:
         """Release every block of a request, tail first."""

@@ -14,6 +14,10 @@ from typing import Any
 
 from kvserve.core.sampling_params import SamplingParams
 
+# a proposal the step in flight is making: the scheduler plans with its
+# count, the runner takes its id on the device (config.plans_ahead)
+CARRIED_TOKEN_ID = -1
+
 
 @dataclass
 class NewRequestData:
@@ -48,12 +52,15 @@ class SchedulerOutput:
     preempted_request_ids: set[str] = field(default_factory=set)
     # speculative decoding: request_id -> the proposed tokens this step
     # verifies (scheduled after the request's last token, counted in
-    # num_scheduled_tokens)
+    # num_scheduled_tokens); CARRIED_TOKEN_ID for those not read yet
     scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # request_id -> how many tokens to propose for its next step, for
     # requests that sample this step (their slots are allocated when the
     # proposer writes KV for them: SpeculativeConfig.uses_lookahead_slots)
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # request_id -> the blocks it keeps, for requests whose rejected
+    # proposals' blocks were freed since the last step (before new_block_ids)
+    num_kept_blocks: dict[str, int] = field(default_factory=dict)
     # host KV tier: copies out as (device block, host block) and copies in as
     # (host block, device block), queued before the step (worker/kv_offload.py
     # says in which order); a step reads the blocks copied in from the next

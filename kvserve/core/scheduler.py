@@ -46,7 +46,22 @@ blocks past it, so only accepted tokens stay (and only blocks full of
 accepted tokens are ever registered in the prefix cache). A step that
 verifies or proposes must be read before the next one is planned
 (``SchedulerOutput.is_spec_step``): the engine core reads it before it
-calls ``schedule`` again.
+calls ``schedule`` again; the runner learns which blocks a request kept
+with the next step (``num_kept_blocks``).
+
+Unless the step plans ahead (``config.plans_ahead``: async scheduling with
+proposals made on the device). Then a speculative step in flight counts as
+if it accepts every proposal: a request that samples in it holds ``1 + n``
+output placeholders (its ``n`` verified proposals and the token after
+them), and the proposals it makes there wait in ``spec_token_ids`` as
+``CARRIED_TOKEN_ID``, so the next step is planned before this one is read:
+the request's bonus token and those proposals, at the positions of full
+acceptance, with slots for that worst case. The runner takes the tokens and
+the positions' shift on the device. Reading the step rolls the computed
+tokens back by its rejected proposals as above, which moves the step
+planned after it onto the right positions; a request that stopped in it
+wastes that step, as with plain async steps; a step is planned only for a
+request that full acceptance would leave short of ``max_tokens``.
 
 With ``step_token_sizes`` (the token counts the runner has CUDA graphs for)
 the last prompt chunk admitted to a step is trimmed so that the step ends on
@@ -61,10 +76,17 @@ import bisect
 import time
 from typing import Any
 
-from kvserve.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
+from kvserve.config import (
+    CacheConfig,
+    LoRAConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    plans_ahead,
+)
 from kvserve.core.block_pool import KVBlock
 from kvserve.core.kv_manager import KVCacheManager
 from kvserve.core.outputs import (
+    CARRIED_TOKEN_ID,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
@@ -101,8 +123,10 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         # requests whose full data the runner must get at their next scheduling
         self._send_whole: set[str] = set()
-        # requests given an output placeholder by the step being scheduled
-        self._sampling: set[str] = set()
+        # requests given output placeholders by the step being scheduled -> how many
+        self._sampling: dict[str, int] = {}
+        # requests whose tail blocks were freed since the last step -> blocks kept
+        self._kept_blocks: dict[str, int] = {}
         # requests whose prompt logprobs are all in, to go with their next output
         self._prompt_logprobs_ready: set[str] = set()
         self.num_preemptions = 0
@@ -110,6 +134,7 @@ class Scheduler:
                             if speculative_config is not None else None)
         self._uses_lookahead = (speculative_config is not None
                                 and speculative_config.uses_lookahead_slots)
+        self.plans_ahead = plans_ahead(scheduler_config, speculative_config)
         self._num_spec_step = 0  # tokens to propose per sampling request this step
         # adapters being read back into host memory: their waiting requests wait
         self.loras_loading: set[int] = set()
@@ -238,8 +263,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step under the token and sequence budgets."""
-        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        out = SchedulerOutput(finished_request_ids=self._finished_ids,
+                              num_kept_blocks=self._kept_blocks)
         self._finished_ids = set()
+        self._kept_blocks = {}
         self.kv_manager.begin_step()
         budget = self.config.max_num_batched_tokens
         max_reqs = self._max_step_requests()
@@ -281,8 +308,11 @@ class Scheduler:
                 continue
             spec = request.spec_token_ids
             if spec:  # proposals go after the last token; a capped budget cuts them first
-                assert not request.num_output_placeholders, "proposals with a token in flight"
-                num_spec = min(len(spec), max(budget - num_new, 0))
+                assert self.plans_ahead or not request.num_output_placeholders, \
+                    "proposals with a token in flight"
+                # (made in flight: no more than full acceptance leaves room for)
+                num_spec = min(len(spec), max(budget - num_new, 0),
+                               request.max_num_tokens - num_tokens - 1)
                 num_new += num_spec
             else:
                 num_spec = 0
@@ -441,8 +471,12 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         if (num_computed
                 == len(request.all_token_ids) + request.num_output_placeholders + num_spec):
-            request.num_output_placeholders += 1  # this step samples its next token
-            self._sampling.add(request_id)
+            # this step samples its next token (planning ahead: and accepts every proposal)
+            num_placeholders = 1 + num_spec if self.plans_ahead else 1
+            request.num_output_placeholders += num_placeholders
+            self._sampling[request_id] = num_placeholders
+            if self.plans_ahead and num_draft:
+                request.spec_token_ids = [CARRIED_TOKEN_ID] * num_draft
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -454,8 +488,7 @@ class Scheduler:
         self.running.remove(victim)
         given_back = out.num_scheduled_tokens.pop(victim.request_id, 0)
         if victim.request_id in self._sampling:  # it samples nothing after all
-            self._sampling.discard(victim.request_id)
-            victim.num_output_placeholders -= 1
+            victim.num_output_placeholders -= self._sampling.pop(victim.request_id)
         out.new_requests = [r for r in out.new_requests if r.request_id != victim.request_id]
         out.new_block_ids.pop(victim.request_id, None)
         out.scheduled_spec_token_ids.pop(victim.request_id, None)
@@ -493,7 +526,9 @@ class Scheduler:
             if request is None or not token_ids:
                 continue  # finished or aborted while its step was in flight
             if request.num_output_placeholders:
-                request.num_output_placeholders -= 1
+                request.num_output_placeholders -= 1 + (
+                    len(scheduler_output.scheduled_spec_token_ids.get(request_id, ()))
+                    if self.plans_ahead else 0)
             if spec_step:
                 self._verified(request, scheduler_output, len(token_ids))
             all_token_ids = request.all_token_ids
@@ -560,8 +595,8 @@ class Scheduler:
         """Roll back the KV of the request's rejected proposals: the step
         computed them, but only the accepted ones are the request's tokens."""
         spec = scheduler_output.scheduled_spec_token_ids.get(request.request_id)
-        if not spec:
-            return
+        if not spec or request.status is RequestStatus.PREEMPTED:
+            return  # (preempted while the step was in flight: nothing computed is kept)
         num_accepted = num_sampled - 1
         request.num_computed_tokens -= len(spec) - num_accepted
         if self.spec_policy is not None:
@@ -570,11 +605,21 @@ class Scheduler:
     def _keep_proposals(self, request: Request, scheduler_output: SchedulerOutput,
                         runner_output: ModelRunnerOutput) -> None:
         """Free the blocks of rejected proposals and lookahead slots, and keep
-        the proposals for the next step (as many as ``max_tokens`` can use)."""
+        the proposals for the next step (as many as ``max_tokens`` can use).
+        Planning ahead, the proposals are those in flight (the step planned
+        after this one took them, or they wait as ``CARRIED_TOKEN_ID``), and
+        their lookahead slots stay."""
         request_id = request.request_id
         if (request_id in scheduler_output.scheduled_spec_token_ids
                 or request_id in scheduler_output.num_draft_tokens):
-            self.kv_manager.free_tail(request)
+            num_tokens = request.num_computed_tokens
+            if self.plans_ahead and self._uses_lookahead:
+                num_tokens += len(request.spec_token_ids)
+            kept = self.kv_manager.free_tail(request, num_tokens)
+            if kept is not None:
+                self._kept_blocks[request_id] = kept
+        if self.plans_ahead:
+            return
         proposals = runner_output.spec_token_ids.get(request_id)
         if proposals:
             room = request.max_num_tokens - len(request.all_token_ids) - 1

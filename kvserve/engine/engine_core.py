@@ -22,6 +22,9 @@ next call reads it, plans and queues the next step, and only then returns
 its outputs, so the front end's output processing (detokenising, stop
 strings) overlaps the next step's device work as for plain steps. Its stop
 strings and aborts then land one step late, as they do for plain steps.
+When the scheduler plans ahead (``Scheduler.plans_ahead``: proposals made
+on the device) a speculative step is kept in flight like a plain one: the
+next step is planned and queued before it is read.
 
 With pipeline parallelism (``pipeline_parallel_size`` stages) as many steps
 are kept in flight as there are stages, so each stage works on its own
@@ -161,7 +164,8 @@ class EngineCore:
         step in flight, so its requests can run again. A speculative step in
         flight is reported before the next step is planned."""
         outputs = []
-        if self._in_flight and self._in_flight[-1][0].is_spec_step:
+        if (self._in_flight and self._in_flight[-1][0].is_spec_step
+                and not self.scheduler.plans_ahead):
             outputs = self._report(list(self._in_flight))
             self._in_flight.clear()
         self._prefetch_loras()

@@ -21,7 +21,8 @@ from kvserve.config import SPEC_METHODS, ModelConfig, SpeculativeConfig
 from kvserve.models.source import resolve_model_config
 
 KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-        "acceptance_rate", "forced_acceptance", "disable_by_batch_size", "auto_disable", "seed")
+        "acceptance_rate", "forced_acceptance", "disable_by_batch_size", "auto_disable", "seed",
+        "plan_ahead")
 # the EAGLE head trained for the bundled target by scripts/train_eagle_head.py
 EAGLE_HEAD = "kvserve-code-eagle-head"
 

@@ -60,9 +60,8 @@ class OracleProposer:
         proposals[wrong] = (proposals[wrong] + 1) % self.vocab_size
         return proposals.tolist()
 
-    def propose_forced(self, output_token_ids: list[int], num_draft: int
-                       ) -> tuple[list[int], list[bool]]:
-        """``num_draft`` placeholder proposals (the last token repeated) and
-        whether each counts as correct (``forced_acceptance`` mode)."""
-        correct = self.rng.random(num_draft) < self.acceptance_rate
-        return [output_token_ids[-1] if output_token_ids else 0] * num_draft, correct.tolist()
+    def forced_coins(self, num_draft: int) -> list[bool]:
+        """Whether each of ``num_draft`` placeholder proposals counts as
+        correct (``forced_acceptance`` mode; the runner proposes the last
+        token repeated, on the device)."""
+        return (self.rng.random(num_draft) < self.acceptance_rate).tolist()

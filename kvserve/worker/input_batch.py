@@ -212,10 +212,12 @@ class StepBuffers:
         """Write the step's inputs into the host buffers and copy them to the device.
 
         Request i runs ``num_scheduled[i]`` tokens of row ``rows[i]`` from its
-        ``num_computed_tokens`` on. The last token of request
-        ``carried_reqs[j]`` is not known on the host (its input id is stale):
-        it is row ``carried_src[j]`` of the previous step's sampled tokens, and
-        ``carry`` gets the pair for the runner. Requests ``num_reqs ..
+        ``num_computed_tokens`` on. The tokens of request ``carried_reqs[j]``
+        are not known on the host (their input ids are stale): the first is
+        row ``carried_src[j]`` of the previous step's sampled tokens, and
+        ``carry`` gets the pair (the request's first row, that index) for the
+        runner (after a speculative step the rest are its proposals, and the
+        runner moves the rows: ``ModelRunner._carry``). Requests ``num_reqs ..
         padded_num_reqs - 1`` are padding for a CUDA graph, with a zero-length
         query, which the attention kernels skip; so are tokens ``num_tokens ..
         padded_num_tokens - 1``, which belong to no request (id 0, position 0
@@ -272,7 +274,7 @@ class StepBuffers:
         num_carried = 0 if carried_reqs is None else len(carried_reqs)
         if num_carried:
             carry = self._np["carry"]
-            carry[0, :num_carried] = cu[carried_reqs] - 1
+            carry[0, :num_carried] = cu[carried_reqs] - num_scheduled[carried_reqs]
             carry[1, :num_carried] = carried_src
 
         if self.device.type != "cpu":

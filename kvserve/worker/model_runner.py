@@ -21,11 +21,16 @@ of step N that step N+1 needs as input is then copied on the device from
 step N's sampled tensor ("carried"). Requests with penalties or below
 ``min_tokens`` need their whole output on the host, so a step that would
 carry one of their tokens reads the previous step first. A speculative step
-(``SchedulerOutput.is_spec_step``) reads every step before it and runs
-through ``worker/spec_decode.py``; one whose every request is its last
-token and its proposals is laid out one token per attention row
-(``worker/verify_layout.py``) and replays a verify graph; a proposer with
-its own network sees the tokens of every step (``SpecDecodeRunner.observe``).
+(``SchedulerOutput.is_spec_step``) runs through ``worker/spec_decode.py``;
+one whose every request is its last token and its proposals is laid out one
+token per attention row (``worker/verify_layout.py``) and replays a verify
+graph; a proposer with its own network sees the tokens of every step
+(``SpecDecodeRunner.observe``). When the engine plans ahead
+(``config.plans_ahead``) a step may follow a speculative step N not yet
+read: a request's tokens are then N's token after its accepted proposals
+and the proposals N made, placed as if N accepted every proposal; the host
+writes those positions, and the device moves them back by N's rejected
+proposals and fills in the tokens (``_carry``).
 
 With tensor or pipeline parallelism (``distributed/``) one runner runs in
 each worker process on its rank's shard of the model, from the same
@@ -64,6 +69,7 @@ from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.distributed.parallel_state import ParallelState, building
+from kvserve.host_copy import to_device
 from kvserve.layers.attention import bind_kv_cache
 from kvserve.layers.custom_ops import set_triton_ops
 from kvserve.lora.manager import LoRAManager
@@ -109,6 +115,24 @@ class RunnerRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     lora_int_id: int = 0  # the request's LoRA adapter; 0: none
+
+
+@dataclass
+class SampledTokens:
+    """The last step that sampled, for the tokens a step queued before it is
+    read must carry: each sampling request's last token (its sampled one; a
+    speculative step's token after the accepted proposals) on the device,
+    and the batch rows. A speculative step adds, per sampling request, the
+    proposals it verified (host), how many of them it rejected (device) and
+    the proposals it made (device ``[B, P]``; request ``i``'s are row
+    ``proposal_row[i]``, -1 for none)."""
+
+    tokens: torch.Tensor  # [N]
+    rows: np.ndarray  # [N]
+    num_spec: np.ndarray | None = None  # [N]
+    rejected: torch.Tensor | None = None  # [N]
+    proposals: torch.Tensor | None = None  # [B, P]
+    proposal_row: np.ndarray | None = None  # [N]
 
 
 @dataclass
@@ -278,7 +302,7 @@ class ModelRunner:
         # the last step that sampled: its sampled tokens (on the device) and
         # the batch rows that sampled; per batch row, its index in those
         # tokens (-1: none), for tokens the next step must carry
-        self._last_sampled: tuple[torch.Tensor, np.ndarray] | None = None
+        self._last_sampled: SampledTokens | None = None
         self._last_sample_index = np.full(max_num_reqs, -1, dtype=np.int64)
         # loads a draft model or EAGLE head, if the method has one
         self.spec = (SpecDecodeRunner.create(self, speculative_config, draft_path, load_format)
@@ -519,6 +543,10 @@ class ModelRunner:
             self._free_row(request_id)
         for request_id in scheduler_output.preempted_request_ids:
             self._free_row(request_id)
+        for request_id, num_blocks in scheduler_output.num_kept_blocks.items():
+            row = self.rows.get(request_id)
+            if row is not None:  # the scheduler freed its rejected proposals' blocks
+                self.batch.num_blocks[row] = num_blocks
         for new in scheduler_output.new_requests:
             old = self.states.get(new.request_id)
             self._free_row(new.request_id)
@@ -566,8 +594,9 @@ class ModelRunner:
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput,
                         num_spec: np.ndarray | None = None) -> StepInputs:
-        """The step's flat inputs; ``num_spec``: proposals per request, which
-        ``SpecDecodeRunner.begin_step`` wrote past the request's known tokens."""
+        """The step's flat inputs; ``num_spec``: proposals per request
+        (``SpecDecodeRunner.write_proposals`` writes those the host has past
+        the request's known tokens)."""
         scheduled = scheduler_output.num_scheduled_tokens
         request_ids = list(scheduled)
         num_reqs = len(request_ids)
@@ -575,20 +604,14 @@ class ModelRunner:
         rows = np.fromiter(map(self.rows.__getitem__, request_ids), np.int64, num_reqs)
         num_scheduled = np.fromiter(scheduled.values(), np.int64, num_reqs)
         batch = self.batch
+        unknown, carried, carried_src = self._unknown_tokens(request_ids, rows, num_scheduled,
+                                                             num_spec)
+        if num_spec is not None:
+            assert self.spec is not None
+            self.spec.write_proposals(scheduler_output, request_ids, rows, unknown)
         ends = batch.num_computed_tokens[rows] + num_scheduled
         if num_spec is not None:
             ends = ends - num_spec
-        carried = np.flatnonzero(ends > batch.num_tokens[rows])
-        carried_src = self._last_sample_index[rows[carried]]
-        if len(carried) and ((carried_src < 0).any()
-                             or batch.needs_known_outputs(rows[carried]).any()
-                             or (self.matchers and any(request_ids[i] in self.matchers
-                                                       for i in carried.tolist()))):
-            self._read_all_steps()
-            carried = np.flatnonzero(ends > batch.num_tokens[rows])
-            carried_src = self._last_sample_index[rows[carried]]
-        if len(carried) and int((ends - batch.num_tokens[rows])[carried].max()) > 1:
-            raise RuntimeError("a step needs more than one token the host has not seen")
         lora_int_ids = None
         if self.lora_manager is not None:
             lora_int_ids = [states[r].lora_int_id for r in request_ids]
@@ -597,7 +620,8 @@ class ModelRunner:
         # a pure verify step (every request its last token and its proposals,
         # some proposals): one token per attention row, worker/verify_layout.py
         verify = (num_spec is not None and self.verify is not None
-                  and is_verify_step(num_spec, num_scheduled, ends, batch.num_tokens[rows]))
+                  and is_verify_step(num_spec, num_scheduled, ends - unknown,
+                                     batch.num_tokens[rows]))
         # with the torch LoRA path, graphs hold the base model only: a step with
         # an adapter runs eagerly; the kernels read their indices from fixed buffers
         lora_eager = (self.lora_manager is not None and not self.lora_manager.batch.use_kernels
@@ -619,15 +643,17 @@ class ModelRunner:
         host = self.buffers.fill(batch, rows, num_scheduled, self.block_size, padded_num_reqs,
                                  padded_num_tokens, carried, carried_src)
         b = self.buffers
-        if host.num_carried:
-            assert self._last_sampled is not None
-            dst, src = b.carry[0, :host.num_carried], b.carry[1, :host.num_carried]
-            b.input_ids[dst] = self._last_sampled[0][src]
         verify_host = None
         if verify:
             assert self.verify is not None
             verify_host = self.verify.fill(b.positions_cpu[:host.num_tokens].numpy(),
                                            num_scheduled, padded_num_tokens)
+        moved = host.num_carried and self._carry(carried, carried_src, num_scheduled,
+                                                 host.num_carried, verify)
+        if moved and not self.backend.supports_cuda_graphs and verify_host is not None:
+            # a backend that reads the host's copies: those of the moved rows, at a sync
+            assert self.verify is not None
+            verify_host = (verify_host[0], self.verify.seq_lens[:host.num_tokens].tolist())
         metadata = input_ids = positions = None
         if decode_size is None and token_size is None and verify_size is None:  # eager
             input_ids, positions = b.input_ids[: host.num_tokens], b.positions[: host.num_tokens]
@@ -647,7 +673,8 @@ class ModelRunner:
                 block_table=b.block_table[:num_reqs, :host.max_blocks],
                 slot_mapping=b.slot_mapping[: host.num_tokens],
                 query_start_loc_cpu=host.query_start_loc.tolist(),
-                seq_lens_cpu=host.seq_lens.tolist(),
+                seq_lens_cpu=(b.seq_lens[:num_reqs].tolist() if moved
+                              else host.seq_lens.tolist()),
             )
         return StepInputs(
             request_ids=request_ids,
@@ -666,6 +693,87 @@ class ModelRunner:
             verify_layout=verify,
             verify_graph_size=verify_size,
         )
+
+    def _unknown_tokens(self, request_ids: list[str], rows: np.ndarray,
+                        num_scheduled: np.ndarray, num_spec: np.ndarray | None
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per request, the tokens of its step before its proposals that the
+        host has not read (those the last step sampled or kept, if it is
+        unread), and the requests that have some with their index in that
+        step's tokens. Reads every step first when a request needs its known
+        outputs (penalties, ``min_tokens``, a grammar) or its tokens come from
+        an older step."""
+        batch = self.batch
+        ends = batch.num_computed_tokens[rows] + num_scheduled
+        if num_spec is not None:
+            ends = ends - num_spec
+        unknown = np.maximum(ends - batch.num_tokens[rows], 0)
+        carried = np.flatnonzero(unknown)
+        carried_src = self._last_sample_index[rows[carried]]
+        if len(carried) and ((carried_src < 0).any()
+                             or batch.needs_known_outputs(rows[carried]).any()
+                             or (self.matchers and any(request_ids[i] in self.matchers
+                                                       for i in carried.tolist()))):
+            self._read_all_steps()  # (a speculative step read rolls its computed tokens back)
+            ends = batch.num_computed_tokens[rows] + num_scheduled
+            if num_spec is not None:
+                ends = ends - num_spec
+            unknown = np.maximum(ends - batch.num_tokens[rows], 0)
+            carried = np.flatnonzero(unknown)
+            carried_src = self._last_sample_index[rows[carried]]
+        if len(carried):
+            last = self._last_sampled
+            assert last is not None, "tokens are carried from the last step that sampled"
+            expected = 1 + (last.num_spec[carried_src] if last.num_spec is not None else 0)
+            if (unknown[carried] != expected).any():
+                raise RuntimeError("a step needs tokens the host has not seen beyond those the "
+                                   "last step sampled")
+        return unknown, carried, carried_src
+
+    def _carry(self, carried: np.ndarray, carried_src: np.ndarray, num_scheduled: np.ndarray,
+               num_carried: int, verify: bool) -> bool:
+        """Copy the carried requests' tokens from the last step's device
+        tensors (``StepBuffers.carry``: each one's first row and its index
+        there). After a speculative step, also move each such request's
+        rows back by its rejected proposals: positions, slots and sequence
+        lengths (the host wrote them as if every proposal was accepted); its
+        tokens are the one after the accepted proposals and the proposals
+        made. Returns whether rows moved."""
+        b, last = self.buffers, self._last_sampled
+        assert last is not None
+        dst, src = b.carry[0, :num_carried], b.carry[1, :num_carried]
+        if last.rejected is None:
+            b.input_ids[dst] = last.tokens[src]
+            return False
+        assert last.proposal_row is not None
+        # one entry per carried token: its row, request, source index, proposal
+        counts = num_scheduled[carried]
+        starts = np.cumsum(counts) - counts
+        offset = np.arange(int(counts.sum())) - np.repeat(starts, counts)
+        first_row = np.cumsum(num_scheduled)[carried] - counts
+        token_src = np.repeat(carried_src, counts)
+        proposal_row = np.maximum(last.proposal_row[token_src], 0)
+        packed = to_device(np.stack([np.repeat(first_row, counts) + offset,
+                                     np.repeat(carried, counts), token_src, proposal_row,
+                                     offset]), torch.int64, self.device)
+        token_rows, token_req, token_src_t, proposal_row_t, offset_t = packed.unbind(0)
+        positions = b.positions[token_rows] - last.rejected[token_src_t]
+        b.positions[token_rows] = positions
+        token_ids = last.tokens[token_src_t]
+        if last.proposals is not None:
+            proposals = last.proposals[proposal_row_t, (offset_t - 1).clamp_(
+                min=0, max=last.proposals.shape[1] - 1)]
+            token_ids = torch.where(offset_t == 0, token_ids, proposals)
+        b.input_ids[token_rows] = token_ids
+        blocks = b.block_table[token_req, positions // self.block_size]
+        b.slot_mapping[token_rows] = blocks.long() * self.block_size + positions % self.block_size
+        if verify:
+            assert self.verify is not None
+            self.verify.seq_lens[token_rows] = (positions + 1).to(torch.int32)
+        else:
+            first = offset_t == 0
+            b.seq_lens[token_req[first]] -= last.rejected[token_src_t[first]].to(torch.int32)
+        return True
 
     def _sampling_batch(self, inputs: StepInputs, sample_rows: np.ndarray) -> SamplingBatch:
         """The sampling settings of the requests that sample, from their batch rows."""
@@ -709,8 +817,7 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         if self.spec is not None and scheduler_output.is_spec_step:
-            self._read_all_steps()  # proposers and penalties read the outputs so far
-            num_spec = self.spec.begin_step(scheduler_output)
+            num_spec = self.spec.num_spec(scheduler_output)
             return self.spec.execute(self._prepare_inputs(scheduler_output, num_spec),
                                      scheduler_output, num_spec)
         inputs = self._prepare_inputs(scheduler_output)
@@ -746,9 +853,7 @@ class ModelRunner:
                        else None)
         self.batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
         sampled = None
-        if self._last_sampled is not None:
-            self._last_sample_index[self._last_sampled[1]] = -1
-        self._last_sampled = None
+        self._forget_sampled()
         if num_sample:
             if logits is None:
                 assert hidden is not None, "a step without a decode graph has its hidden states"
@@ -759,8 +864,7 @@ class ModelRunner:
                 sampled = SamplerOutput(self.sampler.argmax(logits))
             else:
                 sampled = self.sampler(logits, batch)
-            self._last_sampled = (sampled.sampled_token_ids, sample_rows)
-            self._last_sample_index[sample_rows] = np.arange(len(sample_rows))
+            self._set_sampled(SampledTokens(sampled.sampled_token_ids, sample_rows))
         if self.spec is not None:
             self.spec.observe(inputs, hidden, sampled)
         host_tensors = self._copy_to_host(sampled)
@@ -773,6 +877,16 @@ class ModelRunner:
         step.prompt_logprobs = prompt_step
         self._unread.append(step)
         return step
+
+    def _forget_sampled(self) -> None:
+        """A new step samples: the last one's tokens are no longer carried."""
+        if self._last_sampled is not None:
+            self._last_sample_index[self._last_sampled.rows] = -1
+        self._last_sampled = None
+
+    def _set_sampled(self, sampled: SampledTokens) -> None:
+        self._last_sampled = sampled
+        self._last_sample_index[sampled.rows] = np.arange(len(sampled.rows))
 
     def _forward(self, inputs: StepInputs) -> tuple[
             torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:

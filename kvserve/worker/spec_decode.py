@@ -1,21 +1,26 @@
 """The model runner's side of speculative decoding: a step that verifies
 proposals or makes them (``SchedulerOutput.is_spec_step``).
 
-``begin_step`` writes each request's scheduled proposals into its row of
-the ``PersistentBatch`` past its known tokens (entries there are stale by
+``write_proposals`` writes each request's scheduled proposals into its row
+of the ``PersistentBatch`` past its known tokens (entries there are stale by
 definition), so the step's inputs are gathered as for any step: the last
 token, then the proposals. ``execute`` runs the target, takes the logits at
 each verifying request's last ``1 + n`` rows, gets the target's
 distributions from ``Sampler.process`` over one row per position (each
 row's penalties count the proposals before it as outputs, ``min_tokens``
-masks per position), verifies (``sampling/rejection.py``), and lets a
-device proposer (draft model, EAGLE head) catch up and chain its next
-proposals, all queued without waiting for the device. ``_read`` appends
-each request's accepted tokens to its row, rolls back the computed tokens
-of the rejected ones and, for host proposers (n-gram, oracle), proposes
-from the tokens now known. The runner reads every older step before such a
-step and the engine core reads it before planning the next one, so no
-token is ever carried between a speculative step and its neighbours.
+masks per position), verifies (``sampling/rejection.py``) the proposals it
+reads from the step's input ids, and lets a device proposer (draft model,
+EAGLE head) catch up and chain its next proposals, all queued without
+waiting for the device. ``_read`` appends each request's accepted tokens to
+its row, rolls back the computed tokens of the rejected ones and, for host
+proposers (n-gram, oracle), proposes from the tokens now known.
+
+When the engine plans ahead (``config.plans_ahead``) the next step is
+queued before this one is read: the step leaves its kept tokens, rejected
+counts and proposals on the device (``SampledTokens``) for the runner to
+carry into it. A proposal the step in flight made reaches the scheduler as
+``CARRIED_TOKEN_ID``; if that step has been read by the time it is
+verified, ``write_proposals`` takes it from what ``_read`` kept.
 
 ``observe`` lets a device proposer see the tokens of every other step too,
 so its KV in the shared pool stays complete.
@@ -32,7 +37,7 @@ import numpy as np
 import torch
 
 from kvserve.config import SpeculativeConfig
-from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.outputs import CARRIED_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from kvserve.host_copy import to_device
 from kvserve.sampling.rejection import verify_proposals
 from kvserve.sampling.sampler import (
@@ -55,6 +60,7 @@ class SpecRecord:
 
     num_spec: np.ndarray  # [N] proposals verified per sampling request
     num_draft: np.ndarray  # [N] proposals to make per sampling request
+    proposal_row: np.ndarray  # [N] each one's row of the proposals made (-1: none)
     proposer_start: Any  # marks around the device proposer (None without one)
     proposer_end: Any
 
@@ -73,6 +79,8 @@ class SpecDecodeRunner:
                                       config.seed) if config.method == "oracle" else None)
         # forced_acceptance: request id -> which of its next proposals count as correct
         self._forced: dict[str, list[bool]] = {}
+        # request id -> the proposals of its last step read (for the next step)
+        self._proposals: dict[str, list[int]] = {}
 
     @classmethod
     def create(cls, runner: ModelRunner, config: SpeculativeConfig, path: str | None,
@@ -115,30 +123,45 @@ class SpecDecodeRunner:
     def on_finished(self, request_id: str, row: int) -> None:
         """A request finished in ``row``: the oracle records its output."""
         self._forced.pop(request_id, None)
+        self._proposals.pop(request_id, None)
         if self.oracle is not None:
             batch = self.runner.batch
             self.oracle.record(batch.prompt_token_ids(row), batch.output_token_ids(row))
 
     # ------------------------------------------------------------ the step
 
-    def begin_step(self, out: SchedulerOutput) -> np.ndarray:
-        """Write the scheduled proposals past each request's known tokens;
-        the proposals per request, in the step's order."""
-        runner, batch = self.runner, self.runner.batch
-        num_spec = np.zeros(len(out.num_scheduled_tokens), dtype=np.int64)
-        for i, request_id in enumerate(out.num_scheduled_tokens):
+    @staticmethod
+    def num_spec(out: SchedulerOutput) -> np.ndarray:
+        """The proposals each request verifies, in the step's order."""
+        spec = out.scheduled_spec_token_ids
+        return np.fromiter((len(spec.get(r, ())) for r in out.num_scheduled_tokens), np.int64,
+                           len(out.num_scheduled_tokens))
+
+    def write_proposals(self, out: SchedulerOutput, request_ids: list[str], rows: np.ndarray,
+                        unknown: np.ndarray) -> None:
+        """Write the scheduled proposals past each request's known tokens,
+        except for requests whose tokens are carried (``unknown``): the
+        runner takes theirs on the device. A ``CARRIED_TOKEN_ID`` proposal
+        of a step read since is the one ``_read`` kept."""
+        batch = self.runner.batch
+        for i, request_id in enumerate(request_ids):
             proposals = out.scheduled_spec_token_ids.get(request_id)
-            if proposals:
-                row = runner.rows[request_id]
-                start = int(batch.num_tokens[row])
-                batch.token_ids[row, start:start + len(proposals)] = proposals
-                num_spec[i] = len(proposals)
-        return num_spec
+            if not proposals or unknown[i]:
+                continue
+            if proposals[0] == CARRIED_TOKEN_ID:
+                kept = self._proposals.get(request_id, [])
+                if len(kept) < len(proposals):
+                    raise RuntimeError(f"{request_id}: {len(proposals)} proposals scheduled, "
+                                       f"{len(kept)} made")
+                proposals = kept[:len(proposals)]
+            row = rows[i]
+            start = int(batch.num_tokens[row])
+            batch.token_ids[row, start:start + len(proposals)] = proposals
 
     def execute(self, inputs: StepInputs, out: SchedulerOutput,
                 num_spec: np.ndarray) -> PendingStep:
         """Queue the step: forward, verification, device proposals, copies."""
-        from kvserve.worker.model_runner import PendingStep
+        from kvserve.worker.model_runner import PendingStep, SampledTokens
 
         runner, batch = self.runner, self.runner.batch
         sample_idx = inputs.sample_indices
@@ -153,29 +176,30 @@ class SpecDecodeRunner:
         counts = n + 1
         row_start = np.cumsum(counts) - counts
         flat = np.repeat(first - row_start, counts) + np.arange(int(counts.sum()))
-        sampling = self._verify_batch(sample_rows, request_ids, n, out)
+        sampling = self._verify_batch(sample_rows, request_ids, n)
         start = runner._mark()
         hidden, decode_out = runner._forward(inputs)
         batch.num_computed_tokens[inputs.rows] += inputs.num_scheduled
-        # the proposals and row indices, in one host-to-device copy, prepared
-        # while the device runs the forward (a pinned copy queued behind it)
+        # the row indices (and the oracle's coins), in one host-to-device copy,
+        # prepared while the device runs the forward (a pinned copy queued behind it)
         num_reqs, max_n = len(request_ids), int(n.max(initial=0))
-        drafts = np.zeros((num_reqs, max_n), dtype=np.int64)
         forced = np.zeros((num_reqs, max_n), dtype=np.int64) if self.config.forced_acceptance \
             else np.zeros((0, max_n), dtype=np.int64)
-        for i, request_id in enumerate(request_ids):
-            verified = out.scheduled_spec_token_ids.get(request_id, ())
-            drafts[i, :len(verified)] = verified
-            if len(forced):
-                correct = self._forced.pop(request_id, [])[:len(verified)]
-                forced[i, :len(correct)] = correct
-        packed = to_device(np.concatenate([n, row_start, first, flat, drafts.ravel(),
-                                           forced.ravel()]), torch.int64, runner.device)
+        for i, request_id in enumerate(request_ids if len(forced) else ()):
+            correct = self._forced.pop(request_id, [])[:int(n[i])]
+            forced[i, :len(correct)] = correct
+        packed = to_device(np.concatenate([n, row_start, first, flat, forced.ravel()]),
+                           torch.int64, runner.device)
         small = packed[:3 * num_reqs].view(3, num_reqs)
         flat_t = packed[3 * num_reqs:3 * num_reqs + len(flat)]
-        drafts_end = 3 * num_reqs + len(flat) + drafts.size
-        draft_ids = packed[3 * num_reqs + len(flat):drafts_end].view(num_reqs, max_n)
-        forced_t = packed[drafts_end:].view(len(forced), max_n).bool() if len(forced) else None
+        forced_t = (packed[3 * num_reqs + len(flat):].view(num_reqs, max_n).bool()
+                    if len(forced) else None)
+        # the proposals are the step's inputs after each request's last token
+        offsets = torch.arange(max_n, device=runner.device)
+        input_rows = (small[2].unsqueeze(1) + 1 + offsets).clamp_(
+            max=len(runner.buffers.input_ids) - 1)
+        draft_ids = torch.where(offsets < small[0].unsqueeze(1),
+                                runner.buffers.input_ids[input_rows], 0)
         if decode_out is not None:
             logits = decode_out[0][flat_t]
         else:
@@ -185,23 +209,29 @@ class SpecDecodeRunner:
                                                  else hidden[flat_t])
         tokens, accepted_counts = self._verify(logits, sampling, sample_rows, draft_ids, small,
                                                forced_t)
+        bonus = tokens.gather(1, (accepted_counts - 1).unsqueeze(1)).squeeze(1)
         proposer_start = proposer_end = None
         proposals = None
+        proposing = np.flatnonzero(num_draft > 0)
+        proposal_row = np.full(num_reqs, -1, dtype=np.int64)
+        proposal_row[proposing] = np.arange(len(proposing))
         if self.device_proposer is not None:
             proposer_start = runner._mark()
             proposals = self.device_proposer.run(self._proposer_step(
-                inputs, hidden, tokens, accepted_counts, small[2], num_draft))
+                inputs, hidden, bonus, accepted_counts, small[2], num_draft))
             proposer_end = runner._mark()
-        # nothing of this step is carried into the next one (see the module doc)
-        if runner._last_sampled is not None:
-            runner._last_sample_index[runner._last_sampled[1]] = -1
-        runner._last_sampled = None
+        elif self.config.forced_acceptance and len(proposing):
+            proposals = self._forced_proposals(bonus, request_ids, num_draft, proposing)
+            proposal_row[proposing] = proposing
+        runner._forget_sampled()
+        runner._set_sampled(SampledTokens(bonus, sample_rows, n, small[0] - (accepted_counts - 1),
+                                          proposals, proposal_row))
         # the kept tokens then their count per request: one device-to-host copy
         host = runner._copy_to_host(SamplerOutput(torch.cat([tokens, accepted_counts[:, None]],
                                                             dim=1)))
         if proposals is not None:
             host += runner._copy_to_host(SamplerOutput(proposals))
-        record = SpecRecord(n, num_draft, proposer_start, proposer_end)
+        record = SpecRecord(n, num_draft, proposal_row, proposer_start, proposer_end)
         step = PendingStep(request_ids, sample_rows, batch.generation[sample_rows],
                            batch.sampling.num_logprobs[sample_rows], host, start, runner._mark(),
                            runner._read_oldest_step,
@@ -241,12 +271,14 @@ class SpecDecodeRunner:
         return verify_proposals(draft_ids, num_spec, row_start, target_ids, target_probs,
                                 greedy_mask, generators, use_triton=runner.sampler.use_triton)
 
-    def _verify_batch(self, sample_rows: np.ndarray, request_ids: list[str], n: np.ndarray,
-                      out: SchedulerOutput) -> SamplingBatch | None:
+    def _verify_batch(self, sample_rows: np.ndarray, request_ids: list[str],
+                      n: np.ndarray) -> SamplingBatch | None:
         """The sampling settings of one row per verified position (None when
         every request is ``argmax_only``): a position's penalties count the
-        proposals before it as outputs, and its ``min_tokens`` mask holds
-        while the outputs before it are fewer than ``min_tokens``."""
+        proposals before it as outputs (a request with penalties has its
+        proposals on the host: ``ModelRunner._unknown_tokens``), and its
+        ``min_tokens`` mask holds while the outputs before it are fewer than
+        ``min_tokens``."""
         runner, batch = self.runner, self.runner.batch
         if bool(batch.sampling.argmax_only[sample_rows].all()):
             return None
@@ -256,7 +288,8 @@ class SpecDecodeRunner:
             prompts, outputs = [], []
             for i, row in enumerate(sample_rows.tolist()):
                 prompt, known = batch.prompt_token_ids(row), batch.output_token_ids(row)
-                proposals = out.scheduled_spec_token_ids.get(request_ids[i], [])
+                start = int(batch.num_tokens[row])
+                proposals = batch.token_ids[row, start:start + int(n[i])].tolist()
                 for j in range(int(counts[i])):
                     prompts.append(prompt)
                     outputs.append(known + proposals[:j])
@@ -304,10 +337,11 @@ class SpecDecodeRunner:
     # ------------------------------------------------------------ proposers
 
     def _proposer_step(self, inputs: StepInputs, hidden: torch.Tensor | None,
-                       tokens: torch.Tensor, counts: torch.Tensor, first: torch.Tensor,
+                       bonus: torch.Tensor, counts: torch.Tensor, first: torch.Tensor,
                        num_draft: np.ndarray) -> ProposerStep:
         """A device proposer's view of the step: the target's rows and
-        metadata, each sampling request's last kept row and added token."""
+        metadata, each sampling request's last kept row and the token after
+        it (``bonus``), from its kept tokens' ``counts``."""
         batch = self.runner.batch
         input_ids, positions, metadata = self._step_rows(inputs)
         ends = batch.num_computed_tokens[inputs.rows]  # after the step, before any rollback
@@ -322,7 +356,7 @@ class SpecDecodeRunner:
             input_ids=input_ids, positions=positions, metadata=metadata, hidden=hidden,
             query_end=np.cumsum(inputs.num_scheduled), next_token_ids=next_ids,
             sample_indices=inputs.sample_indices, last_index=first + accepted,
-            bonus_ids=tokens.gather(1, accepted.unsqueeze(1)).squeeze(1),
+            bonus_ids=bonus,
             block_table=block_table, num_draft=num_draft)
 
     def _step_rows(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -355,7 +389,7 @@ class SpecDecodeRunner:
         tokens = (sampled.sampled_token_ids if sampled is not None
                   else torch.zeros(0, dtype=torch.int64, device=self.runner.device))
         self.device_proposer.run(self._proposer_step(
-            inputs, hidden, tokens.unsqueeze(1),
+            inputs, hidden, tokens,
             torch.ones(num_sample, dtype=torch.int64, device=self.runner.device),
             last, np.zeros(num_sample, dtype=np.int64)))
 
@@ -368,33 +402,39 @@ class SpecDecodeRunner:
         tokens = step.host_tensors[0].numpy()  # [N, K + 2]: the tokens, then their count
         counts = tokens[:, -1]
         written = batch.generation[step.rows] == step.generations
-        block_size = self.runner.block_size
         for i, request_id in enumerate(step.request_ids):
             kept = tokens[i, :int(counts[i])].tolist()
             output.sampled_token_ids[request_id] = kept
             if written[i]:
                 row = int(step.rows[i])
                 batch.extend_tokens(row, kept)
-                num_computed = int(batch.num_computed_tokens[row]) - int(record.num_spec[i]) + (
-                    len(kept) - 1)
-                batch.num_computed_tokens[row] = num_computed
-                # the scheduler frees the same blocks (KVCacheManager.free_tail): those
-                # past the computed tokens, of rejected proposals and lookahead slots
-                batch.num_blocks[row] = min(int(batch.num_blocks[row]),
-                                            -(-num_computed // block_size))
+                # (the scheduler frees the blocks past them and says so with its next step)
+                batch.num_computed_tokens[row] -= int(record.num_spec[i]) - (len(kept) - 1)
         if self.runner.matchers:
             self.runner.matchers.accept(output.sampled_token_ids)
         if len(step.host_tensors) > 1:
             proposals = step.host_tensors[1].numpy()
-            for b, i in enumerate(np.flatnonzero(record.num_draft > 0).tolist()):
-                output.spec_token_ids[step.request_ids[i]] = (
-                    proposals[b, :int(record.num_draft[i])].tolist())
+            for i in np.flatnonzero(record.num_draft > 0).tolist():
+                made = proposals[record.proposal_row[i], :int(record.num_draft[i])].tolist()
+                output.spec_token_ids[step.request_ids[i]] = made
+                self._proposals[step.request_ids[i]] = made
         elif self.ngram is not None or self.oracle is not None:
             self._propose_on_host(step, record, written, output)
         if record.proposer_start is not None:
             output.proposer_s = _elapsed_s(record.proposer_start, record.proposer_end)
             if not isinstance(record.proposer_start, float):  # CUDA events: back to the pool
                 self.runner._events += (record.proposer_start, record.proposer_end)
+
+    def _forced_proposals(self, bonus: torch.Tensor, request_ids: list[str],
+                          num_draft: np.ndarray, proposing: np.ndarray) -> torch.Tensor:
+        """The oracle's placeholder proposals in ``forced_acceptance`` mode,
+        ``[N, P]`` on the device: each request's last token repeated; and,
+        for the step that verifies them, the coins that say which count as
+        correct."""
+        assert self.oracle is not None
+        for i in proposing.tolist():
+            self._forced[request_ids[i]] = self.oracle.forced_coins(int(num_draft[i]))
+        return bonus.unsqueeze(1).expand(-1, int(num_draft.max())).contiguous()
 
     def _propose_on_host(self, step: PendingStep, record: SpecRecord, written: np.ndarray,
                          output: ModelRunnerOutput) -> None:
@@ -404,10 +444,6 @@ class SpecDecodeRunner:
             row, num = int(step.rows[i]), int(record.num_draft[i])
             if self.ngram is not None:
                 proposals = self.ngram.propose(batch.token_ids[row, :batch.num_tokens[row]], num)
-            elif self.config.forced_acceptance:
-                assert self.oracle is not None
-                proposals, self._forced[step.request_ids[i]] = self.oracle.propose_forced(
-                    batch.output_token_ids(row), num)
             else:
                 assert self.oracle is not None
                 proposals = self.oracle.propose(batch.prompt_token_ids(row),

@@ -170,6 +170,32 @@ def test_greedy_identical_with_speculation_graphs_on_and_off(
     assert eager == expected
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_planning_ahead_on_cuda_gives_identical_output(method: str, tmp_path: Path) -> None:
+    """Async scheduling (the default on CUDA) plans each step before the
+    speculative step in flight is read: the runner carries its tokens and
+    moves the rows back by its rejections on the device, in the buffers the
+    verify graphs read. Greedy output equal to plain decoding at batch 1 and
+    8, with ``plan_ahead`` on and off."""
+    from tests.unit.test_spec_decode import spy_on_steps_planned_ahead
+
+    for batch in (1, 8):
+        expected, _ = run(PROMPTS[:batch], False, None)
+        for plan_ahead in (True, False):
+            llm = LLM(dtype="float32", device="cuda", max_num_seqs=8, speculative_config={
+                **configs(tmp_path)[method], "num_speculative_tokens": 4,
+                "auto_disable": False, "plan_ahead": plan_ahead})
+            spy_on_verify_steps(llm)
+            planned_ahead = spy_on_steps_planned_ahead(llm)
+            outputs = llm.generate(PROMPTS[:batch], GREEDY, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outputs] == expected
+            runner: Any = llm.engine.core.executor
+            assert runner.verify_replays > 10
+            assert (sum(planned_ahead) > 10) == plan_ahead
+            stats = llm.stats()
+            assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
 def test_eagle_head_with_aux_layers_proposes_the_same_graphed_and_eager(tmp_path: Path) -> None:
     """A head fusing the streams entering target layers 2, 4 and 5 (written by
     every forward, inside the decode, token and verify graphs too): the same

@@ -1,8 +1,9 @@
 """Speculative decoding through the whole engine on CPU, tiny random
 checkpoints: greedy output (token ids, text, finish reasons) identical with
 speculation on and off for every method, at batch 1 and 6, with preemption,
-prefix caching, chunked prefill, async scheduling, penalties, ``min_tokens``,
-stop strings and ``max_tokens`` landing mid-proposal; a draft model equal to
+prefix caching, chunked prefill, async scheduling (planning each step
+before the one in flight is read, for proposers on the device), penalties,
+``min_tokens``, stop strings and ``max_tokens`` landing mid-proposal; a draft model equal to
 the target has every proposal accepted, and a draft's proposals are its own
 greedy continuation (checked against transformers); seeded sampling
 reproduces; ``speculative_config`` is checked at start-up."""
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.outputs import RequestOutput
@@ -89,6 +91,21 @@ def random_head(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def near_draft(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target with noise on its matrices: a draft that is right about
+    half the time, so verifications accept some proposals and reject others."""
+    path = tmp_path_factory.mktemp("near")
+    shutil.copytree(target, path, dirs_exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    for file in path.glob("*.safetensors"):
+        weights = load_file(file)
+        save_file({name: w + 0.05 * w.std() * torch.randn(w.shape, generator=generator)
+                   if w.dim() > 1 else w for name, w in weights.items()}, file,
+                  metadata={"format": "pt"})
+    return path
+
+
 def generate(path: Path, params: SamplingParams | list[SamplingParams],
              prompts: list[Any] = PROMPTS, **kwargs: Any) -> tuple[list[Any], LLM]:
     llm = LLM(model=str(path), block_size=4, **kwargs)
@@ -133,11 +150,60 @@ def test_greedy_output_is_identical_with_speculation(
         assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+@pytest.mark.parametrize("batch", [1, 6])
+def test_planning_ahead_gives_identical_output(target: Path, near_draft: Path,
+                                              random_head: Path, method: str,
+                                              batch: int) -> None:
+    """With async scheduling and proposals made on the device, each step is
+    planned and queued before the speculative step in flight is read (the
+    runner carries its tokens and moves the rows back by its rejections on
+    the device): greedy output identical to plain decoding, with preemption,
+    prefix caching and small chunks, and with ``plan_ahead`` off."""
+    prompts = PROMPTS[:batch]
+    expected, _ = generate(target, GREEDY, prompts)
+    config = spec(method, model=str(near_draft if method == "draft_model" else random_head))
+    for plan_ahead in (True, False):
+        llm = LLM(model=str(target), block_size=4, async_scheduling=True,
+                  num_kv_blocks=24 if batch > 1 else 64, max_num_batched_tokens=16,
+                  speculative_config={**config, "plan_ahead": plan_ahead})
+        planned_ahead = spy_on_steps_planned_ahead(llm)
+        assert summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        stats = llm.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        assert stats["spec_decode_num_accepted_tokens"] > 0 or method == "eagle"
+        assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+        assert (sum(planned_ahead) > 10) == plan_ahead
+        if batch > 1:
+            assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+
+
+def spy_on_steps_planned_ahead(llm: LLM) -> list[bool]:
+    """Per ``Scheduler.schedule`` call: whether a speculative step was in
+    flight, not yet read, when it planned."""
+    core: Any = llm.engine.core.core
+    planned_ahead: list[bool] = []
+    schedule = core.scheduler.schedule
+
+    def spy() -> Any:
+        planned_ahead.append(any(out.is_spec_step for out, _ in core._in_flight))
+        return schedule()
+
+    core.scheduler.schedule = spy
+    return planned_ahead
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
-def test_forced_oracle_accepts_what_its_coin_says(target: Path, alpha: float) -> None:
+def test_forced_oracle_accepts_what_its_coin_says(target: Path, alpha: float,
+                                                  async_scheduling: bool) -> None:
+    """Also when each step is planned before the one in flight is read (its
+    placeholder proposals stay on the device)."""
     config = spec("oracle", k=4, acceptance_rate=alpha, forced_acceptance=True)
     params = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
-    outputs, llm = generate(target, params, PROMPTS[:2], speculative_config=config)
+    outputs, llm = generate(target, params, PROMPTS[:2], speculative_config=config,
+                            async_scheduling=async_scheduling)
     assert all(len(o[0][0]) == 90 for o in outputs)
     stats = llm.stats()
     drafted = stats["spec_decode_num_draft_tokens"]

@@ -3,7 +3,8 @@ proposer: a decode of ``1 + k`` tokens, rollback of rejected proposals
 (whole blocks freed), lookahead slots for proposers that write KV, only
 accepted tokens in the prefix cache, ``max_tokens`` and stop tokens landing
 mid-proposal, per-request k, preemption, chunked prefill and async
-scheduling; and randomised add / abort / step runs that check the pool's
+scheduling (planning ahead of the step in flight, for proposers on the
+device); and randomised add / abort / step runs that check the pool's
 invariants after every step. The fake proposer is right about the fake
 model's next tokens only part of the time, so every path through the
 verification is taken; outputs must equal the plain greedy reference."""
@@ -21,7 +22,7 @@ from kvserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.outputs import CARRIED_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from kvserve.core.prefix_cache import update_block_hashes
 from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
@@ -55,10 +56,14 @@ def fake_proposals(request_id: str, token_ids: list[int], num: int, hit_rate: fl
 class FakeSpecStep:
     """A step of the fake model: verifies each request's proposals greedily
     (the longest prefix the model agrees with, then the model's own token)
-    and proposes for the next step; computed when read."""
+    and proposes for the next step; computed when read (steps are read in
+    order, so a request's tokens are then those of the steps before). A
+    ``CARRIED_TOKEN_ID`` proposal is one the previous step made."""
 
-    def __init__(self, sampling: list[Request], out: SchedulerOutput, hit_rate: float) -> None:
+    def __init__(self, sampling: list[Request], out: SchedulerOutput, hit_rate: float,
+                 made: dict[str, list[int]]) -> None:
         self.sampling, self.out, self.hit_rate = sampling, out, hit_rate
+        self.made = made  # request id -> the proposals its last step made
 
     def get(self) -> ModelRunnerOutput:
         result = ModelRunnerOutput(device_s=1e-3)
@@ -66,7 +71,11 @@ class FakeSpecStep:
             request_id = request.request_id
             tokens = list(request.all_token_ids)
             accepted = []
-            for proposal in self.out.scheduled_spec_token_ids.get(request_id, []):
+            verified = self.out.scheduled_spec_token_ids.get(request_id, [])
+            if verified and verified[0] == CARRIED_TOKEN_ID:
+                assert len(self.made[request_id]) >= len(verified)
+                verified = self.made[request_id][:len(verified)]
+            for proposal in verified:
                 if fake_token(tokens) != proposal:
                     break
                 accepted.append(proposal)
@@ -75,7 +84,7 @@ class FakeSpecStep:
             result.sampled_token_ids[request_id] = [*accepted, bonus]
             num_draft = self.out.num_draft_tokens.get(request_id, 0)
             if num_draft:
-                result.spec_token_ids[request_id] = fake_proposals(
+                result.spec_token_ids[request_id] = self.made[request_id] = fake_proposals(
                     request_id, [*tokens, bonus], num_draft, self.hit_rate)
         return result
 
@@ -88,6 +97,7 @@ class FakeSpecExecutor:
         self.num_kv_blocks = num_kv_blocks
         self.scheduler: Scheduler | None = None
         self.num_spec_scheduled = 0
+        self.made: dict[str, list[int]] = {}
 
     def execute_model(self, out: SchedulerOutput) -> FakeSpecStep:
         assert self.scheduler is not None
@@ -98,10 +108,13 @@ class FakeSpecExecutor:
             request = self.scheduler.requests[request_id]
             num_spec = len(out.scheduled_spec_token_ids.get(request_id, []))
             placeholders = request.num_output_placeholders
+            # planning ahead, the placeholders count the verified proposals too
+            if self.scheduler.plans_ahead:
+                num_spec = 0
             if placeholders and (request.num_computed_tokens
                                  == request.num_tokens + placeholders - 1 + num_spec):
                 sampling.append(request)
-        return FakeSpecStep(sampling, out, self.hit_rate)
+        return FakeSpecStep(sampling, out, self.hit_rate, self.made)
 
     def add_lora(self, lora_request: object) -> None:
         raise AssertionError("no adapters here")
@@ -109,8 +122,9 @@ class FakeSpecExecutor:
 
 def check_spec_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
     """The pool's invariants, with each request's blocks covering exactly its
-    computed tokens plus, in a step where it proposes, its lookahead slots;
-    every registered block full of the owner's accepted tokens."""
+    computed tokens plus, in a step where it proposes, its lookahead slots
+    (planning ahead: those of the proposals in flight); every registered
+    block full of the owner's accepted tokens."""
     kv = scheduler.kv_manager
     pool = kv.pool
     check_pool(scheduler)
@@ -122,7 +136,12 @@ def check_spec_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
         request_id = request.request_id
         blocks = kv.req_to_blocks.get(request_id, [])
         num_slots = request.num_computed_tokens + lookahead.get(request_id, 0)
-        assert len(blocks) == -(-num_slots // scheduler.block_size), request_id
+        if scheduler.plans_ahead:  # the step in flight may still write its own lookahead
+            max_slots = request.num_computed_tokens + scheduler.spec_policy.max_k
+            assert (-(-num_slots // scheduler.block_size) <= len(blocks)
+                    <= -(-min(max_slots, request.max_num_tokens) // scheduler.block_size))
+        else:
+            assert len(blocks) == -(-num_slots // scheduler.block_size), request_id
         assert num_slots <= request.max_num_tokens
         spec = out.scheduled_spec_token_ids.get(request_id, [])
         assert len(spec) <= request.max_spec_tokens
