@@ -19,7 +19,9 @@
   sides synchronously (speculative steps then read before the next is
   planned and output processing no longer overlaps); ``--no-plan-ahead``
   keeps async scheduling but reads each speculative step before planning
-  the next (``speculative_config.plan_ahead``).
+  the next (``speculative_config.plan_ahead``); ``--skinny-max-m`` sends
+  the layers' GEMMs of up to that many rows to the skinny Triton GEMM
+  (``kernels/skinny_gemm.LAYER_MAX_M``) for the whole run.
 - ``real``: the bundled target at batch 1 on held-out stdlib code (the
   target's own split: never trained on), 64-token prompts, 128 new tokens:
   plain, ngram, draft_model (the bundled draft) and eagle (the bundled head
@@ -353,7 +355,13 @@ def main(argv: list[str] | None = None) -> int:
                         default=["ngram", "draft_model", "eagle"],
                         help="real part: the proposers run beside plain decoding")
     parser.add_argument("--w2-spec", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    parser.add_argument("--skinny-max-m", type=int, default=None,
+                        help="the layers' skinny-GEMM row limit for this run (LAYER_MAX_M)")
     args = parser.parse_args(argv)
+    if args.skinny_max_m is not None:
+        from kvserve.kernels import skinny_gemm
+
+        skinny_gemm.LAYER_MAX_M = args.skinny_max_m
     return run_parts(Path(args.out), args.parts, {
         "oracle": lambda: oracle_part(args),
         "real": lambda: real_part(args),

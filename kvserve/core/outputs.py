@@ -75,8 +75,9 @@ class SchedulerOutput:
 
     @property
     def is_spec_step(self) -> bool:
-        """Whether the step verifies proposals or makes them: its output must
-        be read before the next step is planned."""
+        """Whether the step verifies proposals or makes them: its output is
+        read before the next step is planned, unless the engine plans ahead
+        (``config.plans_ahead``)."""
         return bool(self.scheduled_spec_token_ids or self.num_draft_tokens)
 
 

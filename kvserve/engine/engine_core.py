@@ -15,7 +15,7 @@ its outputs, so the host's scheduling, input preparation and output
 processing overlap the device's work instead of leaving it idle. Greedy
 output is the same either way; a request that stops (EOS, stop string) costs
 one step of wasted device work for it. A speculative step (one that verifies
-proposals or makes them) must be read before the next step is planned (from
+proposals or makes them) is otherwise read before the next step is planned (from
 its accepted tokens and new proposals): without async scheduling it is
 reported in the call that queued it; with it, it stays in flight and the
 next call reads it, plans and queues the next step, and only then returns

@@ -61,11 +61,14 @@ from kvserve.kernels.pdl import use_pdl
 
 DTYPES = (torch.bfloat16, torch.float16)
 SKINNY_MAX_M = 16
-# The layers send only one-row inputs (a batch-1 decode step) here. Alone, the
-# many-row config below beats cuBLAS by up to 9% at 2-16 rows on an H100, but
-# inside the engine's verify step (5 rows) it took 1.8x its isolated time and
-# made the step 1.6x slower than with cuBLAS (decision 0043).
-LAYER_MAX_M = 1
+# The layers send inputs of up to 16 rows here (decode and verify steps of
+# small batches): on an H100 a batch-1 verify step of 5 rows took 6.15 ms
+# against 6.29 with cuBLAS, and plain decode at batch 2-16 1-4% less time a
+# step. A gated input (the down projection's SiLU-and-mul fused into its
+# loads) only at one row: at 5 rows that path took 156 us on Llama-3-8B's
+# down projection, against 47 for cuBLAS after the SiLU kernel (decision 0043).
+LAYER_MAX_M = SKINNY_MAX_M
+GATED_MAX_M = 1
 DOT_BLOCK_M = 16  # tl.dot's smallest tile side
 WIDE_N = 8192  # many rows: an n above this takes one warp a program, else two
 # one-row shapes that take thinner programs (Llama-3-8B's qkv, o_proj, gate_up;
@@ -222,11 +225,12 @@ def default_config(m: int, n: int, k: int) -> SkinnyConfig:
                         2 if n <= WIDE_N else 1, 4, True)
 
 
-def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def skinny_supported(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """Whether the layers send ``x @ weight.T`` here (up to ``LAYER_MAX_M`` rows,
-    16-bit, unit last stride, contiguous weight; ``x`` may be a gated input of
-    twice the columns); ``F.linear`` serves the rest."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= LAYER_MAX_M and x.stride(1) == 1
+    ``GATED_MAX_M`` for a gated input of twice the columns; 16-bit, unit last
+    stride, contiguous weight); ``F.linear`` serves the rest."""
+    max_m = min(GATED_MAX_M, LAYER_MAX_M) if gated else LAYER_MAX_M
+    return (x.dim() == 2 and 1 <= x.shape[0] <= max_m and x.stride(1) == 1
             and x.dtype in DTYPES and weight.dtype == x.dtype and weight.is_contiguous())
 
 

@@ -118,7 +118,7 @@ class UnquantizedLinearMethod(LinearMethod):
         self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """``F.linear``; with ``use_triton`` the skinny Triton GEMM where it
-        applies (see ``skinny_supported``: one row, bfloat16 or float16)."""
+        applies (see ``skinny_supported``: up to 16 rows, bfloat16 or float16)."""
         if layer.use_triton:
             from kvserve.kernels.skinny_gemm import skinny_matmul, skinny_supported
 
@@ -132,7 +132,7 @@ class UnquantizedLinearMethod(LinearMethod):
         if layer.use_triton:
             from kvserve.kernels.skinny_gemm import skinny_matmul, skinny_supported
 
-            if skinny_supported(gate_up, layer.weight):
+            if skinny_supported(gate_up, layer.weight, gated=True):
                 return skinny_matmul(gate_up, layer.weight, bias, gated=True)
         return None
 

@@ -299,3 +299,43 @@ class StepBuffers:
             logits_indices=logits_indices,
             num_carried=num_carried,
         )
+
+
+def carry_rows(
+    index: torch.Tensor,  # [5, T] int64: rows, requests, sources, proposal rows, offsets
+    tokens: torch.Tensor,  # [N]: each source's token after its accepted proposals
+    rejected: torch.Tensor,  # [N]: each source's rejected proposals
+    proposals: torch.Tensor | None,  # [B, P]: the proposals made (None: none)
+    input_ids: torch.Tensor,  # [>= rows] int64, written
+    positions: torch.Tensor,  # [>= rows] int64, moved back
+    slot_mapping: torch.Tensor,  # [>= rows] int64, written
+    block_table: torch.Tensor,  # [>= requests, W] int32
+    seq_lens: torch.Tensor,  # int32: per row (per_row) or per request, moved back
+    block_size: int,
+    per_row: bool,
+) -> None:
+    """Move the carried rows of ``index`` back by their source step's rejected
+    proposals and fill in their tokens, in place: per carried row its row of
+    the step's inputs, its request (its row of ``block_table``), its index in
+    the source step's outputs (``tokens``, ``rejected``), its row of
+    ``proposals`` and its offset among the request's rows (0: the token
+    after the accepted proposals; ``j``: the ``j``-th proposal). Positions
+    move back, slots follow the new positions, sequence lengths move back
+    per row (``per_row``, the verify layout) or once per request.
+    ``kernels/carry.py`` does the same in one launch."""
+    rows, requests, sources, proposal_rows, offsets = index.unbind(0)
+    moved_back = rejected.long()[sources]
+    new_positions = positions[rows] - moved_back
+    positions[rows] = new_positions
+    token_ids = tokens.long()[sources]
+    if proposals is not None:
+        columns = (offsets - 1).clamp(min=0, max=proposals.shape[1] - 1)
+        token_ids = torch.where(offsets == 0, token_ids, proposals.long()[proposal_rows, columns])
+    input_ids[rows] = token_ids
+    blocks = block_table[requests, new_positions // block_size]
+    slot_mapping[rows] = blocks.long() * block_size + new_positions % block_size
+    if per_row:
+        seq_lens[rows] = (new_positions + 1).to(seq_lens.dtype)
+    else:
+        first = offsets == 0
+        seq_lens[requests[first]] -= moved_back[first].to(seq_lens.dtype)

@@ -86,7 +86,7 @@ from kvserve.sampling.sampler import (
 )
 from kvserve.worker import prompt_logprobs
 from kvserve.worker.cuda_graph import CudaGraphs
-from kvserve.worker.input_batch import PersistentBatch, StepBuffers
+from kvserve.worker.input_batch import PersistentBatch, StepBuffers, carry_rows
 from kvserve.worker.kv_cache import (
     KVCacheSpec,
     allocate_kv_caches,
@@ -741,38 +741,31 @@ class ModelRunner:
         made. Returns whether rows moved."""
         b, last = self.buffers, self._last_sampled
         assert last is not None
-        dst, src = b.carry[0, :num_carried], b.carry[1, :num_carried]
         if last.rejected is None:
+            dst, src = b.carry[0, :num_carried], b.carry[1, :num_carried]
             b.input_ids[dst] = last.tokens[src]
             return False
         assert last.proposal_row is not None
-        # one entry per carried token: its row, request, source index, proposal
+        # one entry per carried token: its row, request, source index, proposal row, offset
         counts = num_scheduled[carried]
         starts = np.cumsum(counts) - counts
         offset = np.arange(int(counts.sum())) - np.repeat(starts, counts)
         first_row = np.cumsum(num_scheduled)[carried] - counts
         token_src = np.repeat(carried_src, counts)
-        proposal_row = np.maximum(last.proposal_row[token_src], 0)
-        packed = to_device(np.stack([np.repeat(first_row, counts) + offset,
-                                     np.repeat(carried, counts), token_src, proposal_row,
-                                     offset]), torch.int64, self.device)
-        token_rows, token_req, token_src_t, proposal_row_t, offset_t = packed.unbind(0)
-        positions = b.positions[token_rows] - last.rejected[token_src_t]
-        b.positions[token_rows] = positions
-        token_ids = last.tokens[token_src_t]
-        if last.proposals is not None:
-            proposals = last.proposals[proposal_row_t, (offset_t - 1).clamp_(
-                min=0, max=last.proposals.shape[1] - 1)]
-            token_ids = torch.where(offset_t == 0, token_ids, proposals)
-        b.input_ids[token_rows] = token_ids
-        blocks = b.block_table[token_req, positions // self.block_size]
-        b.slot_mapping[token_rows] = blocks.long() * self.block_size + positions % self.block_size
-        if verify:
-            assert self.verify is not None
-            self.verify.seq_lens[token_rows] = (positions + 1).to(torch.int32)
+        proposal_row = last.proposal_row[token_src]
+        if (proposal_row[offset > 0] < 0).any():
+            raise RuntimeError("a step verifies proposals its source step did not make")
+        index = to_device(np.stack([np.repeat(first_row, counts) + offset,
+                                    np.repeat(carried, counts), token_src,
+                                    np.maximum(proposal_row, 0), offset]),
+                          torch.int64, self.device)
+        if self.sampler.use_triton:
+            from kvserve.kernels.carry import carry_rows as fix_up
         else:
-            first = offset_t == 0
-            b.seq_lens[token_req[first]] -= last.rejected[token_src_t[first]].to(torch.int32)
+            fix_up = carry_rows
+        fix_up(index, last.tokens, last.rejected, last.proposals, b.input_ids, b.positions,
+               b.slot_mapping, b.block_table, self.verify.seq_lens
+               if verify and self.verify is not None else b.seq_lens, self.block_size, verify)
         return True
 
     def _sampling_batch(self, inputs: StepInputs, sample_rows: np.ndarray) -> SamplingBatch:

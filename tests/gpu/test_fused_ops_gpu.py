@@ -12,8 +12,8 @@ held to the relative error alone, against ``F.linear`` in float32, for 1 to
 default and alternative configurations. Then the kernels captured in a CUDA
 graph and replayed on new inputs, and a tiny Qwen3's hidden states and
 logits with ``set_triton_ops`` on and off over a 10-token step and a
-one-row decode (float32: within 1e-4; bfloat16, where every linear of the
-one-row step takes the skinny GEMM: no farther from float32 than torch's).
+one-row decode (float32: within 1e-4; bfloat16, where every linear of
+both steps takes the skinny GEMM: no farther from float32 than torch's).
 
 Kernel modules are imported inside the tests, so collecting this file on a
 CPU machine never decorates them before the CPU interpreter tests switch the
@@ -292,9 +292,9 @@ def test_tiny_model_hidden_states_match(tiny_checkpoint: Callable[[str], Path],
     # either path: the Triton path must drift no more than the torch one (its
     # rope rounds once where torch rounds four times)
     bf16 = tiny_model_outputs(path, torch.bfloat16, triton_ops=True)
-    # the one-row step: qkv, o, gate_up and down of every layer, and the head,
-    # take the skinny GEMM
-    assert calls == [1] * (4 * num_layers + 1)
+    # both steps (10 rows, then one): qkv, o, gate_up and down of every layer,
+    # and the head, take the skinny GEMM (the 10-row down after the SiLU kernel)
+    assert calls == [10] * (4 * num_layers + 1) + [1] * (4 * num_layers + 1)
     bf16_torch = tiny_model_outputs(path, torch.bfloat16, triton_ops=False)
     for out, out_torch, ref in zip(bf16, bf16_torch, oracle, strict=True):
         assert not out.isnan().any()
