@@ -1,7 +1,9 @@
 """Random cases of ``carry_rows`` (the rows of a step queued before the
 speculative step it follows is read), shared by the CPU interpreter test
 and the GPU test: requests of 1 + n carried rows each at random places in
-a step's rows, sources with random rejections, proposals, block tables."""
+a step's rows, sources with random rejections, proposals, block tables;
+and the check that the kernel and the torch version agree on one (the
+kernel module is imported inside it: see ``tests/triton_interpreter.py``)."""
 
 from __future__ import annotations
 
@@ -55,3 +57,17 @@ def make_carry_case(seed: int, per_row: bool, with_proposals: bool,
 
 
 OUTPUTS = ("input_ids", "positions", "slot_mapping", "seq_lens")
+
+
+def check_kernel_equals_torch(seed: int, per_row: bool, with_proposals: bool,
+                              device: str) -> None:
+    """The kernel and the torch version on the same case: every output equal."""
+    from kvserve.kernels.carry import carry_rows
+    from kvserve.worker.input_batch import carry_rows as carry_rows_torch
+
+    kernel = make_carry_case(seed, per_row, with_proposals, device)
+    reference = make_carry_case(seed, per_row, with_proposals, device)
+    carry_rows(**kernel)
+    carry_rows_torch(**reference)
+    for name in OUTPUTS:
+        assert torch.equal(kernel[name], reference[name]), name

@@ -604,14 +604,11 @@ class ModelRunner:
         rows = np.fromiter(map(self.rows.__getitem__, request_ids), np.int64, num_reqs)
         num_scheduled = np.fromiter(scheduled.values(), np.int64, num_reqs)
         batch = self.batch
-        unknown, carried, carried_src = self._unknown_tokens(request_ids, rows, num_scheduled,
-                                                             num_spec)
+        ends, unknown, carried, carried_src = self._unknown_tokens(request_ids, rows,
+                                                                   num_scheduled, num_spec)
         if num_spec is not None:
             assert self.spec is not None
             self.spec.write_proposals(scheduler_output, request_ids, rows, unknown)
-        ends = batch.num_computed_tokens[rows] + num_scheduled
-        if num_spec is not None:
-            ends = ends - num_spec
         lora_int_ids = None
         if self.lora_manager is not None:
             lora_int_ids = [states[r].lora_int_id for r in request_ids]
@@ -696,31 +693,31 @@ class ModelRunner:
 
     def _unknown_tokens(self, request_ids: list[str], rows: np.ndarray,
                         num_scheduled: np.ndarray, num_spec: np.ndarray | None
-                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per request, the tokens of its step before its proposals that the
-        host has not read (those the last step sampled or kept, if it is
-        unread), and the requests that have some with their index in that
-        step's tokens. Reads every step first when a request needs its known
-        outputs (penalties, ``min_tokens``, a grammar) or its tokens come from
-        an older step."""
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per request, its computed tokens after the step less its proposals,
+        and the tokens of its step before its proposals that the host has not
+        read (those the last step sampled or kept, if it is unread); the
+        requests that have some, with their index in that step's tokens.
+        Reads every step first when a request needs its known outputs
+        (penalties, ``min_tokens``, a grammar) or its tokens come from an
+        older step."""
         batch = self.batch
-        ends = batch.num_computed_tokens[rows] + num_scheduled
-        if num_spec is not None:
-            ends = ends - num_spec
-        unknown = np.maximum(ends - batch.num_tokens[rows], 0)
-        carried = np.flatnonzero(unknown)
-        carried_src = self._last_sample_index[rows[carried]]
+        last_index = self._last_sample_index
+        proposals = 0 if num_spec is None else num_spec
+
+        def count() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            ends = batch.num_computed_tokens[rows] + num_scheduled - proposals
+            unknown = np.maximum(ends - batch.num_tokens[rows], 0)
+            carried = np.flatnonzero(unknown)
+            return ends, unknown, carried, last_index[rows[carried]]
+
+        ends, unknown, carried, carried_src = count()
         if len(carried) and ((carried_src < 0).any()
                              or batch.needs_known_outputs(rows[carried]).any()
                              or (self.matchers and any(request_ids[i] in self.matchers
                                                        for i in carried.tolist()))):
             self._read_all_steps()  # (a speculative step read rolls its computed tokens back)
-            ends = batch.num_computed_tokens[rows] + num_scheduled
-            if num_spec is not None:
-                ends = ends - num_spec
-            unknown = np.maximum(ends - batch.num_tokens[rows], 0)
-            carried = np.flatnonzero(unknown)
-            carried_src = self._last_sample_index[rows[carried]]
+            ends, unknown, carried, carried_src = count()
         if len(carried):
             last = self._last_sampled
             assert last is not None, "tokens are carried from the last step that sampled"
@@ -728,7 +725,7 @@ class ModelRunner:
             if (unknown[carried] != expected).any():
                 raise RuntimeError("a step needs tokens the host has not seen beyond those the "
                                    "last step sampled")
-        return unknown, carried, carried_src
+        return ends, unknown, carried, carried_src
 
     def _carry(self, carried: np.ndarray, carried_src: np.ndarray, num_scheduled: np.ndarray,
                num_carried: int, verify: bool) -> bool:

@@ -10,27 +10,20 @@ the interpreter."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.triton_interpreter import require_interpreter
 
 require_interpreter("tests/gpu/test_carry_rows_gpu.py")
 
-from kvserve.kernels.carry import carry_rows  # noqa: E402
 from kvserve.worker.input_batch import carry_rows as carry_rows_torch  # noqa: E402
-from tests.carry_cases import OUTPUTS, make_carry_case  # noqa: E402
+from tests.carry_cases import OUTPUTS, check_kernel_equals_torch, make_carry_case  # noqa: E402
 
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("per_row", [True, False])
 @pytest.mark.parametrize("with_proposals", [True, False])
 def test_kernel_equals_the_torch_version(seed: int, per_row: bool, with_proposals: bool) -> None:
-    kernel = make_carry_case(seed, per_row, with_proposals, "cpu")
-    reference = make_carry_case(seed, per_row, with_proposals, "cpu")
-    carry_rows(**kernel)
-    carry_rows_torch(**reference)
-    for name in OUTPUTS:
-        assert torch.equal(kernel[name], reference[name]), name
+    check_kernel_equals_torch(seed, per_row, with_proposals, "cpu")
 
 
 @pytest.mark.parametrize("per_row", [True, False])
