@@ -14,10 +14,10 @@ out-of-range one; and match the torch layer then ``write_kv``, and, through
 the Triton backend, the torch reference backend. Then the skinny GEMM
 (``Linear`` / ``LMHead`` with ``use_triton``) against ``F.linear`` in
 float32 rounded once, on sizes that no block size divides, and which inputs
-its switch sends to it (one row).
+its switch sends to it (up to 16 rows; a gated input at one row).
 Then whole tiny models: hidden states and logits of a 10-token step and a
 one-row decode with ``set_triton_ops`` on and off, in float32 (the linears
-keep ``F.linear``) and float16 (the one-row step's take the kernel); and,
+keep ``F.linear``) and float16 (both steps' take the kernel); and,
 over the Triton backend, rope fused into the KV write bit-equal to rotating
 first.
 
@@ -620,11 +620,13 @@ def test_down_projection_fuses_the_silu_gate(monkeypatch: pytest.MonkeyPatch) ->
     for m in (1, 3):
         gate_up = randn(m, 2 * SKINNY_K, dtype=torch.float16, seed=23 + m)
         assert torch.equal(down.forward_gated(gate_up, act), down(act(gate_up)))
-    assert calls == [1, 1]  # the one-row input, fused; three rows keep F.linear
+    # the one-row input, fused (and its reference); three rows unfused: the SiLU
+    # kernel, then the many-row GEMM (twice, the reference too)
+    assert calls == [1, 1, 3, 3]
     set_triton_ops(down, False)
     gate_up = randn(1, 2 * SKINNY_K, dtype=torch.float16, seed=30)
     assert torch.equal(down.forward_gated(gate_up, act), down(act(gate_up)))
-    assert calls == [1, 1]
+    assert calls == [1, 1, 3, 3]
 
 
 def test_skinny_default_config_fills_the_card() -> None:
@@ -670,14 +672,14 @@ def test_linear_switch_sends_small_16_bit_inputs_to_the_kernel(
     for m in (1, 2):
         x = randn(m, SKINNY_K, dtype=torch.float16, seed=m)
         assert_close_linear(linear(x), linear_ref(x, linear.weight, linear.bias))
-    assert calls == [1]
-    # F.linear for everything else: more rows, 3-D, float32, the switch off
-    linear(randn(16, SKINNY_K, dtype=torch.float16, seed=6))
+    assert calls == [1, 2]
+    # F.linear for everything else: more than 16 rows, 3-D, float32, the switch off
+    linear(randn(17, SKINNY_K, dtype=torch.float16, seed=6))
     linear(randn(1, 3, SKINNY_K, dtype=torch.float16, seed=7))
     linear.float()(randn(1, SKINNY_K, dtype=torch.float32, seed=8))
     set_triton_ops(linear, False)
     linear.half()(randn(1, SKINNY_K, dtype=torch.float16, seed=9))
-    assert calls == [1]
+    assert calls == [1, 2]
 
 
 def test_packed_linears_lm_head_and_lora_take_the_switch(
@@ -773,7 +775,7 @@ def model_steps(model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype,
                 backend: str) -> list[torch.Tensor]:
     """Hidden states and logits of two forwards on fresh zero caches: a 9-token
     prefill and a decode at position 20 in one flattened batch, then that decode
-    alone (one row: the linears' skinny GEMM); then the caches."""
+    alone (10 rows, then one: the linears' skinny GEMM); then the caches."""
     steps = [make_attention_metadata([9, 1], [9, 21], [[3, 1, 7], [2, 5, 4, 6, 9, 8]],
                                      block_size=4),
              make_attention_metadata([1], [21], [[2, 5, 4, 6, 9, 8]], block_size=4)]
@@ -810,8 +812,10 @@ def test_model_hidden_states_match_with_triton_ops(
     for enabled in (False, True):
         assert set_triton_ops(model, enabled) == expected_count
         outputs[enabled] = model_steps(model, config, dtype, "torch")[:4]
-    # the one-row step: every linear and the head take the skinny GEMM in 16 bits
-    assert calls == ([1] * (4 * config.num_layers + 1) if dtype == torch.float16 else [])
+    # both steps (10 rows, then one): every linear and the head take the skinny
+    # GEMM in 16 bits
+    num_linears = 4 * config.num_layers + 1
+    assert calls == ([10] * num_linears + [1] * num_linears if dtype == torch.float16 else [])
     for out, ref in zip(outputs[True], outputs[False], strict=True):
         error = ((out - ref).norm() / ref.norm()).item()
         assert error < max_error, f"relative error {error:.2e}"
