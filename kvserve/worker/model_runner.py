@@ -645,10 +645,11 @@ class ModelRunner:
             assert self.verify is not None
             verify_host = self.verify.fill(b.positions_cpu[:host.num_tokens].numpy(),
                                            num_scheduled, padded_num_tokens)
-        moved = host.num_carried and self._carry(carried, carried_src, num_scheduled,
-                                                 host.num_carried, verify)
-        if moved and not self.backend.supports_cuda_graphs and verify_host is not None:
-            # a backend that reads the host's copies: those of the moved rows, at a sync
+        moved = bool(host.num_carried) and self._carry(carried, carried_src, num_scheduled,
+                                                       host.num_carried, verify)
+        # a backend that reads the host's copies gets those of the moved rows, at a sync
+        stale_host = moved and not self.backend.supports_cuda_graphs
+        if stale_host and verify_host is not None:
             assert self.verify is not None
             verify_host = (verify_host[0], self.verify.seq_lens[:host.num_tokens].tolist())
         metadata = input_ids = positions = None
@@ -670,7 +671,7 @@ class ModelRunner:
                 block_table=b.block_table[:num_reqs, :host.max_blocks],
                 slot_mapping=b.slot_mapping[: host.num_tokens],
                 query_start_loc_cpu=host.query_start_loc.tolist(),
-                seq_lens_cpu=(b.seq_lens[:num_reqs].tolist() if moved
+                seq_lens_cpu=(b.seq_lens[:num_reqs].tolist() if stale_host
                               else host.seq_lens.tolist()),
             )
         return StepInputs(
