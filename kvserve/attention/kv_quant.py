@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.quant.scales import absmax_scales
+
 # ``--kv-cache-dtype`` names (besides "auto", the model's dtype) -> the cache dtype
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3": torch.float8_e4m3fn,
@@ -47,7 +49,7 @@ def quantize_kv(
         return y.to(torch.float8_e4m3fn), None
     if cache_dtype == torch.int8:
         x = x.float()
-        scales = x.abs().amax(dim=-1) / INT8_MAX  # [num_tokens, num_kv_heads]
+        scales = absmax_scales(x, INT8_MAX)  # [num_tokens, num_kv_heads]
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         y = (x / safe[..., None]).clamp(-INT8_MAX, INT8_MAX)
         return torch.round(y).to(torch.int8), scales

@@ -49,6 +49,26 @@ CONTEXT_TOLERANCE = 0.01
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def prefill_chunk(max_batch: int) -> int:
+    """The measuring engine's token budget a step: the plan's prefill chunk,
+    or one token for each of ``max_batch`` requests if that is more."""
+    return max(PREFILL_CHUNK_TOKENS, max_batch)
+
+
+def admission_steps(batch: int, context: int, chunk: int) -> int:
+    """At most how many steps prefilling ``batch`` prompts of up to ``context``
+    tokens takes at ``chunk`` tokens a step (each gives the requests already
+    started a token)."""
+    return -(-batch * context // chunk)
+
+
+def decode_length(context: int, steps: int, admission: int) -> int:
+    """The most tokens a request reaches while ``steps`` decode steps are timed
+    at a mean context of ``context``: the first admitted requests run ahead
+    of the mean by up to the ``admission`` steps."""
+    return context + steps // 2 + 2 + admission
+
+
 class MeasurementError(RuntimeError):
     """What was timed is not what the plan describes."""
 
@@ -106,7 +126,7 @@ class PlanMeasurer:
                           max_num_seqs=max_batch, max_model_len=max_model_len,
                           enable_prefix_caching=False, quantization=quantization,
                           kv_cache_dtype=kv_cache_dtype,
-                          max_num_batched_tokens=max(PREFILL_CHUNK_TOKENS, max_batch))
+                          max_num_batched_tokens=prefill_chunk(max_batch))
         return cls(start(args, args.create_engine_config()), steps, repeats)
 
     @property
@@ -132,8 +152,7 @@ class PlanMeasurer:
         max_num_seqs = self.bench.config.scheduler_config.max_num_seqs
         if batch > max_num_seqs:
             return f"batch {batch} is more than the engine's max_num_seqs {max_num_seqs}"
-        # the first admitted requests run ahead of the mean by up to the admission's steps
-        most = context + self.steps // 2 + 2 + self._admission_steps(batch, context)
+        most = decode_length(context, self.steps, self._admission_steps(batch, context))
         per_request = -(-most // block) * block
         needed, capacity = batch * per_request, self.kv_capacity_tokens
         if needed > capacity:
@@ -174,8 +193,8 @@ class PlanMeasurer:
     def _admission_steps(self, batch: int, context: int) -> int:
         """At most how many steps prefilling ``batch`` prompts takes (each gives
         the requests already started a token)."""
-        chunk = self.bench.config.scheduler_config.max_num_batched_tokens
-        return -(-batch * context // chunk)
+        return admission_steps(batch, context,
+                               self.bench.config.scheduler_config.max_num_batched_tokens)
 
     def _admit(self, tracked: _Tracked, prompt_len: int, admission_steps: int) -> None:
         for _ in range(4 * admission_steps + 64):

@@ -56,19 +56,26 @@ def run_calibrate(args: argparse.Namespace) -> None:
 
 def _engine_length(setup: _Setup, decodes: list[PlanInputs], prefills: list[PlanInputs],
                    steps: int) -> int:
-    """The engine's max_model_len: room for every point, within the model's."""
+    """The engine's max_model_len: room for every point (a decode point's
+    requests reach ``decode_length``), within the model's."""
+    from kvserve.bench.plan_measure import admission_steps, decode_length, prefill_chunk
+
     max_pos = setup.model.max_position_embeddings
-    room = steps // 2 + 4
+    chunk = prefill_chunk(max((d.batch for d in decodes), default=1))
+    lengths = []
     for d in decodes:
-        if d.context + room > max_pos:
+        length = decode_length(d.context, steps, admission_steps(d.batch, d.context, chunk))
+        if length > max_pos:
             raise PlanError("--context", f"{d.context} leaves no room to time {steps} steps "
                                          f"within the model's max_position_embeddings "
-                                         f"{max_pos:,}; use at most {max_pos - room:,}")
+                                         f"{max_pos:,}; use at most "
+                                         f"{d.context - (length - max_pos):,}")
+        lengths.append(length)
     for p in prefills:
         if p.prompt + 1 > max_pos:
             raise PlanError("--prompt", f"{p.prompt} tokens and one new one exceed the model's "
                                         f"max_position_embeddings {max_pos:,}")
-    return max([d.context + room for d in decodes] + [p.prompt + 1 for p in prefills])
+    return max(lengths + [p.prompt + 1 for p in prefills])
 
 
 def run_measure(args: argparse.Namespace, setup: _Setup) -> int:

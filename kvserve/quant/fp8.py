@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.quant.scales import absmax_scales
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.float()
-    scales = x.abs().amax(dim=-1, keepdim=True) / FP8_MAX  # [rows, 1]
+    scales = absmax_scales(x, FP8_MAX, keepdim=True)  # [rows, 1]
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     return (x / safe).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.quant.scales import absmax_scales
+
 INT8_MAX = 127.0
 # input columns whose int8 products sum exactly in float32: every partial sum
 # is an integer of magnitude <= 1024 * 128 * 128 = 2**24
@@ -32,7 +34,7 @@ EXACT_FLOAT32_COLUMNS = 1024
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.float()
-    scales = x.abs().amax(dim=-1, keepdim=True) / INT8_MAX  # [rows, 1]
+    scales = absmax_scales(x, INT8_MAX, keepdim=True)  # [rows, 1]
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     return torch.round(x / safe).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scales
 

@@ -3,8 +3,8 @@ per-token quantiser bit-equal to the torch reference over a grid of shapes
 (llama-3-8b's K of 4096 and 14336, one block a row and several), the
 ``torch._scaled_mm`` path against the reference's arithmetic (row-wise
 scales; batch 1 to 4096 rows), and the engine with ``quantization="fp8"``:
-greedy tokens identical with CUDA graphs on and off, and close to
-bfloat16."""
+greedy tokens identical with CUDA graphs on and off, and first-token
+logprobs close to bfloat16's (``tests/near_ties.py``)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.quant import fp8
 from tests import quant_cases as cases
+from tests.near_ties import first_token_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,5 +62,8 @@ def test_engine_graphs_eager_and_close_to_bf16(tiny_checkpoint: Callable[[str], 
     graphs = cases.greedy_tokens(LLM(**kwargs, quantization="fp8"), prompts)
     eager = LLM(**kwargs, quantization="fp8", enforce_eager=True)
     assert cases.greedy_tokens(eager, prompts) == graphs
-    bf16 = cases.greedy_tokens(LLM(**kwargs), prompts)
-    assert all(a[:3] == b[:3] for a, b in zip(graphs, bf16, strict=True))
+    first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    fp8 = eager.generate(prompts, first, use_tqdm=False)
+    bf16 = LLM(**kwargs).generate(prompts, first, use_tqdm=False)
+    # e4m3 keeps 3 mantissa bits: an H100 measured a median of 0.28 against float32
+    assert first_token_error(fp8, bf16) < 0.45

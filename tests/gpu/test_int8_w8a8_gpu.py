@@ -6,7 +6,8 @@ reference's arithmetic (batch 1 to 4096 rows: the int32 sums exact, so only
 the float32 epilogue's rounding differs), the Triton epilogue against the
 reference's, and the engine with
 ``quantization="w8a8-int8"``: greedy tokens identical with CUDA graphs on and
-off, identical between batch 1 and batch 64, and close to bfloat16."""
+off, identical between batch 1 and batch 64, and first-token logprobs close
+to bfloat16's (``tests/near_ties.py``)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.quant import int8
 from tests import quant_cases as cases
+from tests.near_ties import first_token_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,5 +93,8 @@ def test_engine_graphs_eager_batch_and_close_to_bf16(
     assert [cases.greedy_tokens(llm, [p])[0] for p in prompts] == graphs
     assert cases.greedy_tokens(LLM(**kwargs, quantization="w8a8-int8", enforce_eager=True),
                    prompts) == graphs
-    bf16 = cases.greedy_tokens(LLM(**kwargs), prompts)
-    assert sum(a[:3] == b[:3] for a, b in zip(graphs, bf16, strict=True)) >= 0.9 * len(prompts)
+    first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    int8 = llm.generate(prompts, first, use_tqdm=False)
+    bf16 = LLM(**kwargs).generate(prompts, first, use_tqdm=False)
+    # an H100 measured a median of 0.08 against float32
+    assert first_token_error(int8, bf16) < 0.15

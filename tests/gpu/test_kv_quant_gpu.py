@@ -35,6 +35,7 @@ from kvserve.attention.torch_ref import paged_attention_ref, write_kv
 from kvserve.layers.rotary import RotaryEmbedding
 from tests.attention_cases import Case, quantise_case
 from tests.attention_cases import make_case as make_shared_case
+from tests.near_ties import assert_same_up_to_near_ties, first_token_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,6 +49,9 @@ MAX_ERROR = 1e-2  # kernel vs the reference on the same cache (the 16-bit tests'
 # vs attention over the 16-bit cache, random normal K/V: e4m3 keeps 3 mantissa
 # bits, int8 a 127th of each vector's largest element
 QUANTISATION_ERROR = {torch.float8_e4m3fn: 0.06, torch.int8: 0.02}
+# the engine's first-token logprobs against the 16-bit cache's (tests/near_ties.py):
+# about twice what an H100 measured against float32 on the tiny llama
+FIRST_TOKEN_ERROR = {"fp8_e4m3": 0.25, "int8": 0.1}
 
 make_case = functools.partial(make_shared_case, device="cuda", seed=None)
 
@@ -247,16 +251,21 @@ def test_graphs_batching_and_speculation_change_no_token(
 def test_triton_equals_torch_backend_and_stays_near_bf16(
     kv_cache_dtype: str, tiny_checkpoint: Callable[[str], Path],
 ) -> None:
+    """The kernels read and write the cache as the torch reference does (the
+    writes bit-equal, above); attention and the layers sum in other orders,
+    so the greedy tokens agree up to a near-tie (``tests/near_ties.py``). The
+    first token's logprobs stay within ``FIRST_TOKEN_ERROR`` of the 16-bit
+    cache's."""
     path = tiny_checkpoint("mistral")  # GQA and a sliding window
     prompts = _prompts(12, seed=4)
     kwargs: dict[str, Any] = dict(max_num_batched_tokens=64, enforce_eager=True)
-    triton = _tokens(_engine(path, kv_cache_dtype, **kwargs), prompts, GREEDY)
-    reference = _tokens(_engine(path, kv_cache_dtype, attention_backend="torch", **kwargs),
-                        prompts, GREEDY)
-    assert triton == reference
-    bf16 = _tokens(_engine(path, "auto", **kwargs), prompts, GREEDY)
-    # greedy decoding of a random model drifts once two candidates near-tie
-    assert all(a[:4] == b[:4] for a, b in zip(triton, bf16, strict=True))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    outputs = _engine(path, kv_cache_dtype, **kwargs).generate(prompts, params, use_tqdm=False)
+    reference = _engine(path, kv_cache_dtype, attention_backend="torch", **kwargs).generate(
+        prompts, params, use_tqdm=False)
+    assert_same_up_to_near_ties(outputs, reference)
+    bf16 = _engine(path, "auto", **kwargs).generate(prompts, params, use_tqdm=False)
+    assert first_token_error(outputs, bf16) < FIRST_TOKEN_ERROR[kv_cache_dtype]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)

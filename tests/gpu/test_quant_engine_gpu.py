@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from tests.near_ties import assert_same_up_to_near_ties
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,12 +39,21 @@ def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_graphs_and_async_on_and_off_give_identical_tokens(
     quantization: str, num_prompts: int, tiny_checkpoint: Callable[[str], Path],
 ) -> None:
+    """Async scheduling changes no token. A graph runs its padded row count,
+    which can take another tile configuration than the eager step's (the
+    dequantise-then-cuBLAS path of a prefill, for one), so graphs on and off
+    agree up to a near-tie (``tests/near_ties.py``)."""
     kwargs = dict(model=str(tiny_checkpoint("llama")), dtype="bfloat16", device="cuda",
                   quantization=quantization, max_num_seqs=16, gpu_memory_utilization=0.3)
     prompts = _prompts(num_prompts)
-    expected = _tokens(LLM(**kwargs, enforce_eager=True, async_scheduling=False), prompts)
-    assert _tokens(LLM(**kwargs), prompts) == expected
-    assert _tokens(LLM(**kwargs, async_scheduling=False), prompts) == expected
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    eager = LLM(**kwargs, enforce_eager=True, async_scheduling=False).generate(
+        prompts, params, use_tqdm=False)
+    graphs = LLM(**kwargs).generate(prompts, params, use_tqdm=False)
+    assert_same_up_to_near_ties(graphs, eager)
+    graphs_sync = LLM(**kwargs, async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in graphs_sync] == [
+        o.outputs[0].token_ids for o in graphs]
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4-g32"])
@@ -62,8 +72,9 @@ def test_kernels_match_the_torch_reference(
         mine, top = ours.outputs[0].logprobs[0], theirs.outputs[0].logprobs[0]
         shared = set(mine) & set(top)
         assert len(shared) >= 3
+        # bfloat16 logits: 1/32 an ulp between 4 and 8, and the two sum in other orders
         for token in shared:
-            assert mine[token].logprob == pytest.approx(top[token].logprob, abs=0.05)
+            assert mine[token].logprob == pytest.approx(top[token].logprob, abs=0.1)
 
 
 def test_llama_3_8b_int4_weights_are_a_quarter() -> None:

@@ -10,12 +10,14 @@ import gc
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from kvserve.bench.plan_cli import main
 from kvserve.bench.plan_measure import MeasurementError, PlanMeasurer
+from kvserve.bench.plan_runs import _engine_length
 from kvserve.plan.compare import Comparison
 
 BATCHES, CONTEXTS, PROMPTS, STEPS, REPEATS = (1, 3), (24, 40), (8, 33), 6, 2
@@ -123,6 +125,19 @@ def test_a_smaller_timed_batch_fails_the_measurement(
     assert measurer.decode_fits(5, 24) is not None  # more than max_num_seqs: skipped, not timed
     assert "does not fit" in (measurer.decode_fits(4, 60) or "")
     assert measurer.decode(2, 24).batch_timed_max == 2  # the engine is still usable
+
+
+def test_the_engine_holds_requests_that_ran_ahead_during_admission() -> None:
+    """Batch 128 at context 1,024: prefilling takes 16 steps of 8,192 tokens,
+    and the first requests admitted decode through them, so they reach
+    1,024 + 32 / 2 + 2 + 16 tokens. An engine sized for 1,024 + 32 / 2 + 4
+    skipped the point as too big for its pool (the GPU test of issue 29)."""
+    setup: Any = SimpleNamespace(model=SimpleNamespace(max_position_embeddings=32768))
+    point: Any = SimpleNamespace(batch=128, context=1024)
+    assert _engine_length(setup, [point], [], 32) == 1024 + 16 + 2 + 16
+    small: Any = SimpleNamespace(batch=4, context=24)
+    prefill: Any = SimpleNamespace(prompt=100)
+    assert _engine_length(setup, [small], [prefill], 6) == 101
 
 
 @pytest.mark.slow
