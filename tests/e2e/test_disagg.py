@@ -152,10 +152,11 @@ def _stream_lines(router: ServerProcess, prompt: str, max_tokens: int,
 
 def test_killed_prefill_mid_transfer_then_killed_decode_mid_stream(
         tiny_model: Path, tmp_path: Path) -> None:
-    # the prefill engine waits 20 s before sending each pull's blocks: killed meanwhile
-    # (3 s were not always enough on a loaded 2-core machine for /metrics to show its KV)
+    # the prefill engine waits 60 s before sending each pull's blocks: killed meanwhile
+    # (on a loaded 2-core machine /metrics took more than 3 s to show its KV, and once
+    # more than 20: the transfer then finished first and nothing was recomputed)
     prefill, decode = start_pair(tiny_model, tmp_path,
-                                 prefill_env={"KVSERVE_FAULT_INJECT": "kv_send_delay_s=20"},
+                                 prefill_env={"KVSERVE_FAULT_INJECT": "kv_send_delay_s=60"},
                                  decode_env={"KVSERVE_FAULT_INJECT": "step_delay_s=0.05"})
     router = start_router(tiny_model, tmp_path, prefill, decode)
     try:
