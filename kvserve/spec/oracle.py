@@ -51,7 +51,6 @@ class OracleProposer:
     """Replays recorded continuations (registered as ``"oracle"``)."""
 
     def __init__(self, acceptance_rate: float, vocab_size: int, seed: int = 0) -> None:
-        self.acceptance_rate = acceptance_rate
         self.vocab_size = vocab_size
         self.coin = PrefixCoin(acceptance_rate, seed)
         # prompt -> the longest output recorded for it

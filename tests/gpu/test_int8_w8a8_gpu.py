@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 from kvserve.quant import int8
 from tests import quant_cases as cases
-from tests.near_ties import first_token_error
+from tests.near_ties import FIRST_TOKEN, first_token_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,8 +93,7 @@ def test_engine_graphs_eager_batch_and_close_to_bf16(
     assert [cases.greedy_tokens(llm, [p])[0] for p in prompts] == graphs
     assert cases.greedy_tokens(LLM(**kwargs, quantization="w8a8-int8", enforce_eager=True),
                    prompts) == graphs
-    first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
-    int8 = llm.generate(prompts, first, use_tqdm=False)
-    bf16 = LLM(**kwargs).generate(prompts, first, use_tqdm=False)
+    int8 = llm.generate(prompts, FIRST_TOKEN, use_tqdm=False)
+    bf16 = LLM(**kwargs).generate(prompts, FIRST_TOKEN, use_tqdm=False)
     # an H100 measured a median of 0.08 against float32
     assert first_token_error(int8, bf16) < 0.15

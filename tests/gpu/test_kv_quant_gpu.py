@@ -33,9 +33,9 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.attention.torch_ref import paged_attention_ref, write_kv
 from kvserve.layers.rotary import RotaryEmbedding
+from tests import near_ties
 from tests.attention_cases import Case, quantise_case
 from tests.attention_cases import make_case as make_shared_case
-from tests.near_ties import assert_same_up_to_near_ties, first_token_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -259,13 +259,13 @@ def test_triton_equals_torch_backend_and_stays_near_bf16(
     path = tiny_checkpoint("mistral")  # GQA and a sliding window
     prompts = _prompts(12, seed=4)
     kwargs: dict[str, Any] = dict(max_num_batched_tokens=64, enforce_eager=True)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
-    outputs = _engine(path, kv_cache_dtype, **kwargs).generate(prompts, params, use_tqdm=False)
+    outputs = _engine(path, kv_cache_dtype, **kwargs).generate(prompts, near_ties.GREEDY,
+                                                               use_tqdm=False)
     reference = _engine(path, kv_cache_dtype, attention_backend="torch", **kwargs).generate(
-        prompts, params, use_tqdm=False)
-    assert_same_up_to_near_ties(outputs, reference)
-    bf16 = _engine(path, "auto", **kwargs).generate(prompts, params, use_tqdm=False)
-    assert first_token_error(outputs, bf16) < FIRST_TOKEN_ERROR[kv_cache_dtype]
+        prompts, near_ties.GREEDY, use_tqdm=False)
+    near_ties.assert_same_up_to_near_ties(outputs, reference)
+    bf16 = _engine(path, "auto", **kwargs).generate(prompts, near_ties.GREEDY, use_tqdm=False)
+    assert near_ties.first_token_error(outputs, bf16) < FIRST_TOKEN_ERROR[kv_cache_dtype]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)

@@ -20,7 +20,7 @@ import torch
 from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.worker.cuda_graph import CudaGraphs
 from tests.conftest import make_lora_adapter
-from tests.near_ties import assert_same_up_to_near_ties
+from tests.near_ties import GREEDY, assert_same_up_to_near_ties
 
 pytestmark = [
     pytest.mark.gpu,
@@ -158,10 +158,9 @@ def test_mixed_batch_equals_each_request_alone(
     loras: list[LoRARequest | None] = [[*adapters, None][i % 4] for i in range(len(prompts))]
     llm = LLM(model=str(path), dtype=dtype, device="cuda", enable_lora=True, max_loras=3,
               max_num_seqs=16, max_num_batched_tokens=48, gpu_memory_utilization=0.3)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
-    solo = [llm.generate([prompt], params, use_tqdm=False, lora_request=[lora])[0]
+    solo = [llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=[lora])[0]
             for prompt, lora in zip(prompts, loras, strict=True)]
-    together = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    together = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     if dtype == "float32":
         assert [o.outputs[0].token_ids for o in together] == [
             o.outputs[0].token_ids for o in solo]

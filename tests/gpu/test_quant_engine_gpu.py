@@ -15,23 +15,17 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from tests.near_ties import assert_same_up_to_near_ties
+from tests.near_ties import FIRST_TOKEN, GREEDY, assert_same_up_to_near_ties
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 250) for _ in range(rng.randint(2, 40))] for _ in range(n)]
-
-
-def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4-g32"])
@@ -46,12 +40,11 @@ def test_graphs_and_async_on_and_off_give_identical_tokens(
     kwargs = dict(model=str(tiny_checkpoint("llama")), dtype="bfloat16", device="cuda",
                   quantization=quantization, max_num_seqs=16, gpu_memory_utilization=0.3)
     prompts = _prompts(num_prompts)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
     eager = LLM(**kwargs, enforce_eager=True, async_scheduling=False).generate(
-        prompts, params, use_tqdm=False)
-    graphs = LLM(**kwargs).generate(prompts, params, use_tqdm=False)
+        prompts, GREEDY, use_tqdm=False)
+    graphs = LLM(**kwargs).generate(prompts, GREEDY, use_tqdm=False)
     assert_same_up_to_near_ties(graphs, eager)
-    graphs_sync = LLM(**kwargs, async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    graphs_sync = LLM(**kwargs, async_scheduling=False).generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in graphs_sync] == [
         o.outputs[0].token_ids for o in graphs]
 
@@ -62,10 +55,9 @@ def test_kernels_match_the_torch_reference(
 ) -> None:
     kwargs = dict(model=str(tiny_checkpoint("llama")), dtype="bfloat16", device="cuda",
                   quantization=quantization, gpu_memory_utilization=0.3)
-    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     prompts = _prompts(6, seed=1)
-    fast = LLM(**kwargs).generate(prompts, params, use_tqdm=False)
-    reference = LLM(**kwargs, attention_backend="torch").generate(prompts, params,
+    fast = LLM(**kwargs).generate(prompts, FIRST_TOKEN, use_tqdm=False)
+    reference = LLM(**kwargs, attention_backend="torch").generate(prompts, FIRST_TOKEN,
                                                                   use_tqdm=False)
     for ours, theirs in zip(fast, reference, strict=True):
         # near-ties may swap places in the top 5: compare the tokens both kept
