@@ -18,6 +18,11 @@ instead of one, and a program's heads are exactly its group, so nothing is
 masked but the padding of the group to a power of two; each program re-reads
 its position's cos/sin row (``rotary_dim`` floats, from cache). Nothing is
 read back to the host.
+
+With programmatic dependent launch (``kernels/pdl.py``, Hopper) a program
+reads its position, slot and cos/sin row (the step's inputs and a
+constant), then waits for the kernel that writes q, k and v and lets the
+next kernel start.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvserve.kernels.kv_quant import (
     KV_FP8,
@@ -38,6 +44,7 @@ from kvserve.kernels.kv_quant import (
     store_kv_row,
     to_cache,
 )
+from kvserve.kernels.pdl import use_pdl
 from kvserve.kernels.rotary import check_rotary_inputs, heads_view, rotate_heads, rotate_pair
 from kvserve.kernels.store_kv import check_kv_cache
 
@@ -75,6 +82,7 @@ def rope_store_kv_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     TAIL_PAD: tl.constexpr,  # covers the head_dim - rotary_dim unrotated dims (at least 1)
     KV_QUANT: tl.constexpr,  # kv_quant.KV_NONE, KV_FP8 or KV_INT8
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (kernels/pdl.py)
 ):
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -87,6 +95,9 @@ def rope_store_kv_kernel(
     cos_sin_row = cos_sin_ptr + tl.where(rotate, pos, 0) * stride_cos_sin_pos
     cos = tl.load(cos_sin_row + dims, mask=half_mask, other=0.0)
     sin = tl.load(cos_sin_row + HALF + dims, mask=half_mask, other=0.0)
+    if PDL:  # q, k and v are the previous kernel's output
+        gdc_wait()
+        gdc_launch_dependents()
     if rotate:
         rotate_heads(q_ptr + token * stride_q_token + kv_head * GROUP * stride_q_head,
                      stride_q_head, cos[None, :], sin[None, :], GROUP, GROUP_PAD, HALF, HALF_PAD)
@@ -187,6 +198,7 @@ def rope_store_kv(
     half = rotary_dim // 2
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     k_scales, v_scales, stride_scale_slot = scale_pointers(kv_cache, kv_scales)
+    pdl = use_pdl(kv_cache.device)
     rope_store_kv_kernel[(num_tokens, num_kv_heads)](
         positions, slot_mapping, q3, k3, v3, k_cache, v_cache, k_scales, v_scales,
         cos_sin_cache, cos_sin_cache.shape[0],
@@ -202,6 +214,8 @@ def rope_store_kv(
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         TAIL_PAD=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
         KV_QUANT=kv_quant_mode(kv_cache.dtype),
+        PDL=pdl,
+        launch_pdl=pdl,
     )
 
 

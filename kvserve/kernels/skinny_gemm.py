@@ -70,8 +70,7 @@ SKINNY_MAX_M = 16
 LAYER_MAX_M = SKINNY_MAX_M
 GATED_MAX_M = 1
 DOT_BLOCK_M = 16  # tl.dot's smallest tile side
-WIDE_N = 8192  # many rows: an n above this takes one warp a program, else two
-# one-row shapes that take thinner programs (Llama-3-8B's qkv, o_proj, gate_up;
+# shapes that take thinner programs at one row (Llama-3-8B's qkv, o_proj, gate_up;
 # not its down projection, K = 14,336, nor its LM head, N = 128,256)
 THIN_MAX_K = 8192
 THIN_MAX_N = 32768
@@ -210,19 +209,20 @@ def default_config(m: int, n: int, k: int) -> SkinnyConfig:
     ``block_n`` 4, ``block_k`` 1024, 2 warps, 3 stages, twice the programs of
     half the size, 1-4% faster on those shapes on an H100 (decision 0014).
     More rows: ``tl.dot`` with ``block_n`` 16 (thin programs, so even
-    ``n`` = 4,096 gives two per SM), ``block_k`` 256, 4 stages, two warps
-    for an ``n`` up to ``WIDE_N`` and one above (the sweep at 3 and 5 rows on
-    an H100: within 2% of the best of 27 configs on every Llama-3-8B shape but
-    qkv, 3% off there; wgmma's ``block_n`` 64 and ``block_n`` 32 lost up to
-    30% on the down and gate-and-up projections); never wider than ``k``
-    needs.
+    ``n`` = 4,096 gives two per SM), ``block_k`` 128, two warps and a
+    six-stage pipeline for an ``n`` up to ``THIN_MAX_N``; the LM head keeps
+    ``block_k`` 256, one warp, 4 stages (decision 0050: on an H100 the deeper
+    pipeline took 1-3% off qkv and o_proj at 2-16 rows and left the other
+    shapes within 1%; split-K, wgmma's ``block_n`` 64 and per-row FMA
+    accumulators found nothing faster); never wider than ``k`` needs.
     """
     if m == 1:
         if k <= THIN_MAX_K and n <= THIN_MAX_N:
             return SkinnyConfig(4, max(16, min(1024, triton.next_power_of_2(k))), 2, 3, False)
         return SkinnyConfig(8, max(16, min(512, triton.next_power_of_2(k))), 4, 4, False)
-    return SkinnyConfig(16, max(16, min(256, triton.next_power_of_2(k))),
-                        2 if n <= WIDE_N else 1, 4, True)
+    if n <= THIN_MAX_N:
+        return SkinnyConfig(16, max(16, min(128, triton.next_power_of_2(k))), 2, 6, True)
+    return SkinnyConfig(16, max(16, min(256, triton.next_power_of_2(k))), 1, 4, True)
 
 
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:

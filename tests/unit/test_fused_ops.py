@@ -639,9 +639,12 @@ def test_skinny_default_config_fills_the_card() -> None:
                 thin = k <= 4096 and n <= 28672
                 assert (config.block_n, config.block_k, config.num_warps) == (
                     (4, 1024, 2) if thin else (8, 512, 4))
-            else:  # the measured many-row config: two warps but for gate-and-up and the head
-                assert (config.block_n, config.block_k, config.num_warps) == (
-                    16, 256, 2 if n <= 8192 else 1)
+            elif n <= 32768:  # the measured many-row config: a six-stage pipeline of thin tiles
+                assert (config.block_n, config.block_k, config.num_warps, config.num_stages) == (
+                    16, 128, 2, 6)
+            else:  # the head keeps the wider tiles, one warp a program
+                assert (config.block_n, config.block_k, config.num_warps, config.num_stages) == (
+                    16, 256, 1, 4)
             assert -(-n // config.block_n) >= 132
             assert k % config.block_k == 0
     assert default_config(1, 40, 80).block_k == 128  # never much wider than K
