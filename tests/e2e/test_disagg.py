@@ -168,9 +168,12 @@ def test_killed_prefill_mid_transfer_then_killed_decode_mid_stream(
         worker = threading.Thread(target=lambda: result.append(
             client.completions.create(**kwargs).choices[0].text))
         worker.start()
-        deadline = time.monotonic() + 30  # prefilled and answered: its blocks are pinned
-        while not prefill.metric("kvserve:kv_cache_usage_perc"):
-            assert time.monotonic() < deadline, "the prefill engine never held the KV"
+        # the prefill engine holds the KV as soon as it starts computing, before it
+        # answers; the decode engine's request waits only once the router has that
+        # answer and the pull has started (killing earlier failed the prefill call itself)
+        deadline = time.monotonic() + 30
+        while not decode.metric("kvserve:num_requests_waiting"):
+            assert time.monotonic() < deadline, "the decode engine never started the pull"
             time.sleep(0.05)
         _signal_group(prefill.process, signal.SIGKILL)  # the pull is waiting for its blocks
         worker.join(timeout=60)
